@@ -1,0 +1,1 @@
+"""Architecture registrations that install the adapter over upstream vLLM's model definitions."""

@@ -1,0 +1,231 @@
+"""The physical layout of a layer's expert weights, as a value the adapter owns.
+
+Canonical: `w13 [E, 2I, H]` (gate rows, then up rows), `w2 [E, H, I]`, scales in
+QuantSpec's canonical shapes, biases `w13_bias [E, 2I]`, `w2_bias [E, H]`.
+A backend's layout is canonical plus a list of reversible steps, applied in the
+order below; `to_layout` and `to_canonical` are exact inverses (one exception:
+fp8 e4m3fn -> e4m3fnuz maps -0 to +0, which e4m3fnuz cannot hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import LayoutMismatchError, SpecError
+from .spec import FP8_FORMATS, MoESpec
+
+Tensors = dict[str, torch.Tensor]
+GATE_UP_ORDERS = ("gate_up", "up_gate", "interleaved")
+SHUFFLE_BYTES = 16  # a shuffle tile's inner run is 16 bytes, whatever the dtype
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every parameter of a physical form; two layouts are equal only if all are."""
+
+    name: str = "canonical"
+    fp8_format: str | None = None  # physical fp8 flavour when it differs from the checkpoint's
+    padded_intermediate: int | None = None  # physical I (zero rows/cols beyond the logical I)
+    padded_hidden: int | None = None  # physical H
+    gate_up: str = "gate_up"
+    shuffle: tuple[int, int] | None = None  # (N tile, K tile) of a tile shuffle, e.g. AITER's (16, 16)
+    transposed: bool = False  # weights stored [E, K, N]; scales stay canonical
+
+    def __post_init__(self) -> None:
+        if self.gate_up not in GATE_UP_ORDERS:
+            raise SpecError(f"gate_up order {self.gate_up!r} is not one of {GATE_UP_ORDERS}")
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
+            raise SpecError(f"fp8 format {self.fp8_format!r} is not one of {sorted(FP8_FORMATS)}")
+
+    @property
+    def is_canonical(self) -> bool:
+        return self == CANONICAL
+
+    def __str__(self) -> str:
+        if self.is_canonical:
+            return "canonical"
+        parts = [self.name]
+        if self.fp8_format:
+            parts.append(self.fp8_format)
+        if self.padded_intermediate or self.padded_hidden:
+            parts.append(f"pad(I={self.padded_intermediate}, H={self.padded_hidden})")
+        if self.gate_up != "gate_up":
+            parts.append(self.gate_up)
+        if self.shuffle:
+            parts.append(f"shuffle{self.shuffle[0]}x{self.shuffle[1]}")
+        if self.transposed:
+            parts.append("transposed")
+        return "/".join(parts)
+
+
+CANONICAL = Layout()
+
+
+# -- steps: each a forward and an inverse over the dict of tensors --------------------------
+
+
+def _convert_fp8(t: Tensors, spec: MoESpec, target: str, inverse: bool) -> Tensors:
+    """Reinterpret e4m3fn bits as e4m3fnuz (half the value) and double the scales, or back."""
+    if spec.quant.weights != "fp8" or target == spec.quant.fp8_format:
+        return t
+    if (spec.quant.fp8_format, target) != ("e4m3fn", "e4m3fnuz"):
+        raise SpecError(f"fp8 conversion {spec.quant.fp8_format} -> {target} is not supported")
+    out = dict(t)
+    src, dst = (FP8_FORMATS[target], FP8_FORMATS["e4m3fn"]) if inverse else (
+        FP8_FORMATS["e4m3fn"], FP8_FORMATS[target])
+    for name in ("w13", "w2"):
+        bits = t[name].view(torch.int8)
+        if not inverse:
+            bits = bits.masked_fill(bits == -128, 0)  # -0 in e4m3fn is NaN in e4m3fnuz
+        assert t[name].dtype == src, f"{name} is {t[name].dtype}, expected {src}"
+        out[name] = bits.view(dst)
+        factor = 0.5 if inverse else 2.0
+        out[f"{name}_scale"] = t[f"{name}_scale"] * factor
+    return out
+
+
+def _pad_rows(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
+def _pad(t: Tensors, spec: MoESpec, layout: Layout, inverse: bool) -> Tensors:
+    i_phys = layout.padded_intermediate or spec.intermediate_size
+    h_phys = layout.padded_hidden or spec.hidden_size
+    if (i_phys, h_phys) == (spec.intermediate_size, spec.hidden_size):
+        return t
+    if spec.quant.weights not in ("none",) and not (
+        spec.quant.weights == "fp8" and spec.quant.granularity == "tensor"
+    ):
+        raise SpecError(f"padding is not supported for {spec.quant} weights")
+    if i_phys < spec.intermediate_size or h_phys < spec.hidden_size:
+        raise SpecError(f"padded sizes I={i_phys}, H={h_phys} are below the logical sizes")
+    i, h = (spec.intermediate_size, spec.hidden_size) if inverse else (i_phys, h_phys)
+    out = dict(t)
+    gate, up = t["w13"].chunk(2, dim=1)
+    out["w13"] = torch.cat([_fit(gate, i, h), _fit(up, i, h)], dim=1)
+    out["w2"] = _fit(t["w2"], h, i)
+    if "w13_bias" in t:
+        gb, ub = t["w13_bias"].chunk(2, dim=1)
+        out["w13_bias"] = torch.cat([_fit1(gb, i), _fit1(ub, i)], dim=1)
+        out["w2_bias"] = _fit1(t["w2_bias"], h)
+    return out
+
+
+def _fit(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Crop or zero-pad the last two dims of `x` to (rows, cols)."""
+    x = x[..., :rows, :cols]
+    return _pad_rows(_pad_rows(x, -2, rows), -1, cols).contiguous()
+
+
+def _fit1(x: torch.Tensor, size: int) -> torch.Tensor:
+    return _pad_rows(x[..., :size], -1, size).contiguous()
+
+
+def _gate_up_perm(two_i: int, order: str, device: torch.device) -> torch.Tensor:
+    """Row permutation p such that new_rows = old_rows[p] (old rows: gate then up)."""
+    half = two_i // 2
+    idx = torch.arange(two_i, device=device)
+    if order == "up_gate":
+        return torch.cat([idx[half:], idx[:half]])
+    return torch.stack([idx[:half], idx[half:]], dim=1).flatten()  # interleaved
+
+
+def _reorder_gate_up(t: Tensors, spec: MoESpec, order: str, inverse: bool) -> Tensors:
+    if order == "gate_up":
+        return t
+    out = dict(t)
+    two_i = t["w13"].shape[1]
+    perm = _gate_up_perm(two_i, order, t["w13"].device)
+    if inverse:
+        perm = torch.argsort(perm)
+    out["w13"] = t["w13"].index_select(1, perm)
+    if "w13_bias" in t:
+        out["w13_bias"] = t["w13_bias"].index_select(1, perm)
+    granularity = spec.quant.granularity
+    if granularity == "channel":
+        out["w13_scale"] = t["w13_scale"].index_select(1, perm)
+    elif granularity == "block" or spec.quant.weights == "mxfp4":
+        raise SpecError(f"gate/up order {order!r} is not supported with {spec.quant} weights")
+    return out
+
+
+def _shuffle_view(shape: torch.Size, tile: tuple[int, int], elem_bytes: int) -> tuple[int, ...]:
+    n, k = shape[-2], shape[-1]
+    tile_n, tile_k = tile
+    run = SHUFFLE_BYTES // elem_bytes
+    block_k = 2 * tile_k
+    if n % tile_n or k % block_k or block_k % run:
+        raise SpecError(
+            f"tile shuffle {tile} needs N % {tile_n} == 0 and K % {block_k} == 0 on the last two "
+            f"dims; got N={n}, K={k}"
+        )
+    return (-1, n // tile_n, tile_n, k // block_k, block_k // run, run)
+
+
+def shuffle_tiles(x: torch.Tensor, tile: tuple[int, int] = (16, 16)) -> torch.Tensor:
+    """Tile shuffle of the last two dims `[N, K]`: within each `tile_n x 2*tile_k` tile,
+    16-byte runs of K are laid out run-major, so one 16-row column of runs is contiguous."""
+    view = x.reshape(_shuffle_view(x.shape, tile, x.element_size()))
+    return view.permute(0, 1, 3, 4, 2, 5).contiguous().view(x.shape)
+
+
+def unshuffle_tiles(x: torch.Tensor, tile: tuple[int, int] = (16, 16)) -> torch.Tensor:
+    """Inverse of `shuffle_tiles`."""
+    _, nt, tn, kt, runs, run = _shuffle_view(x.shape, tile, x.element_size())
+    view = x.reshape(-1, nt, kt, runs, tn, run)
+    return view.permute(0, 1, 4, 2, 3, 5).contiguous().view(x.shape)
+
+
+def _shuffle(t: Tensors, tile: tuple[int, int] | None, inverse: bool) -> Tensors:
+    if tile is None:
+        return t
+    fn = unshuffle_tiles if inverse else shuffle_tiles
+    return {**t, "w13": fn(t["w13"], tile), "w2": fn(t["w2"], tile)}
+
+
+def _transpose(t: Tensors, enabled: bool) -> Tensors:
+    if not enabled:
+        return t
+    return {**t, "w13": t["w13"].transpose(-2, -1).contiguous(), "w2": t["w2"].transpose(-2, -1).contiguous()}
+
+
+def _steps(spec: MoESpec, layout: Layout) -> list[Callable[[Tensors, bool], Tensors]]:
+    return [
+        lambda t, inv: _convert_fp8(t, spec, layout.fp8_format or spec.quant.fp8_format, inv),
+        lambda t, inv: _pad(t, spec, layout, inv),
+        lambda t, inv: _reorder_gate_up(t, spec, layout.gate_up, inv),
+        lambda t, inv: _shuffle(t, layout.shuffle, inv),
+        lambda t, inv: _transpose(t, layout.transposed),
+    ]
+
+
+def to_layout(tensors: Tensors, spec: MoESpec, layout: Layout) -> Tensors:
+    """Canonical tensors -> `layout` (new tensors; inputs are not modified)."""
+    for step in _steps(spec, layout):
+        tensors = step(tensors, False)
+    return tensors
+
+
+def to_canonical(tensors: Tensors, spec: MoESpec, layout: Layout) -> Tensors:
+    """Tensors in `layout` -> canonical (new tensors; inputs are not modified)."""
+    for step in reversed(_steps(spec, layout)):
+        tensors = step(tensors, True)
+    return tensors
+
+
+def require_layout(actual: Layout, needed: Layout, who: str) -> None:
+    """Fail closed: a kernel never runs on weights in a layout it was not prepared for."""
+    if actual != needed:
+        raise LayoutMismatchError(
+            f"{who} needs expert weights in layout {needed!r} but they are in {actual!r}; "
+            "call prepare() for this backend (or restore() then prepare() after a reload)"
+        )

@@ -1,0 +1,57 @@
+"""Selection: a reason for the choice and for every backend passed over; strict mode raises."""
+
+import pytest
+import torch
+
+import moe_overlay as mo
+from moe_overlay import backend as registry
+from tests.backends_for_tests import RelayoutBackend
+
+SPEC = mo.MoESpec(8, 64, 32, 2)
+CPU = mo.Platform("cpu", "cpu")
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fastest", "needs gfx950", priority=100))
+    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fast", None, priority=50))
+
+
+def test_auto_picks_first_supported_and_explains(fake_backends):
+    sel = mo.select_backend(SPEC, CPU)
+    assert sel.backend.name == "fast"
+    assert sel.rejected == {"fastest": "needs gfx950"}
+    assert "auto order" in sel.reason
+    assert mo.backend_names()[:2] == ["fastest", "fast"] and mo.backend_names()[-1] == "torch"
+
+
+def test_requested_backend_wins_when_it_fits(fake_backends):
+    sel = mo.select_backend(SPEC, CPU, "torch")
+    assert sel.backend.name == "torch" and "requested" in sel.reason
+
+
+def test_requested_unfit_falls_back_with_reasons(fake_backends):
+    sel = mo.select_backend(SPEC, CPU, ["fastest"])
+    assert sel.backend.name == "fast"
+    assert sel.rejected["fastest"] == "needs gfx950"
+    assert "fell back" in sel.reason
+
+
+def test_strict_raises_naming_the_reason(fake_backends):
+    with pytest.raises(mo.BackendUnavailableError, match=r"fastest: needs gfx950"):
+        mo.select_backend(SPEC, CPU, "fastest", strict=True)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(mo.BackendUnavailableError, match=r"no backend named 'cuda-magic'; known backends"):
+        mo.select_backend(SPEC, CPU, "cuda-magic")
+
+
+def test_reference_is_always_available_on_cpu():
+    sel = mo.select_backend(SPEC, mo.Platform.of(torch.device("cpu")))
+    assert sel.backend.name in mo.backend_names()
+    prepared = mo.PreparedExperts(
+        SPEC, {"w13": torch.zeros(8, 64, 64, dtype=torch.bfloat16), "w2": torch.zeros(8, 64, 32, dtype=torch.bfloat16)},
+        sel)
+    assert prepared.describe()["reason"] == sel.reason
