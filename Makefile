@@ -31,3 +31,11 @@ test: lint
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
+
+# GPU lane (CUDA or ROCm machine with torch and triton already installed; see README).
+.PHONY: test-gpu bench-gpu
+test-gpu:
+	$(PYTHON) -m pytest -m gpu -p no:cacheprovider
+
+bench-gpu:
+	$(PYTHON) -m moe_overlay.backends.triton_moe.bench

@@ -1,0 +1,30 @@
+"""`moe-overlay` command line. Each subcommand lives in its own module, imported only when used,
+so `moe-overlay tune` never pays for vLLM and `moe-overlay serve` never for Triton."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-overlay", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sp)
+        sp.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
