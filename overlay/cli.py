@@ -1,5 +1,5 @@
-"""`moe-overlay` command line. Each subcommand lives in its own module, imported only when used,
-so `moe-overlay tune` never pays for vLLM and `moe-overlay serve` never for Triton."""
+"""`moe-overlay` command line. Each subcommand lives in its own module; those modules keep heavy
+imports (vLLM, Triton) inside run(), so `moe-overlay tune` never pays for vLLM nor `serve` for Triton."""
 
 from __future__ import annotations
 
