@@ -35,6 +35,8 @@ class TinyMixtralRecipe:
     max_position_embeddings: int = 1024
     initializer_range: float = 0.08  # wide enough that greedy choices are not near-ties
     seed: int = 20261129
+    tokenizer: str = "bytes-v1"  # token id = byte value; bump when the builder changes
+
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -47,12 +49,20 @@ def _progress(message: str) -> None:
     print(f"[moe-overlay] {message}", file=sys.stderr, flush=True)
 
 
+def byte_symbols() -> list[str]:
+    """The printable stand-in for each byte 0..255 that byte-level BPE vocabularies use:
+    printable Latin-1 bytes stand for themselves, the rest map to code points from 256 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
 def _build_tokenizer(out: Path):
-    """A byte-level tokenizer (every byte is a token) with chat special tokens."""
+    """A byte-level tokenizer (token id = byte value) with chat special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    byte_vocab = {ch: i for i, ch in enumerate(byte_symbols())}
     tokenizer = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,7 +93,7 @@ def build(name: str, out: Path) -> Path:
     vocab = len(tokenizer)
     _progress(f"tokenizer: byte-level, {vocab} tokens")
     config = MixtralConfig(
-        vocab_size=(vocab + 63) // 64 * 64,
+        vocab_size=vocab,  # no ids the tokenizer cannot decode
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
         num_hidden_layers=recipe.num_hidden_layers,
