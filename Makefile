@@ -44,9 +44,14 @@ clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
 
 # GPU lane (CUDA or ROCm machine with torch and triton already installed; see README).
-.PHONY: test-gpu bench-gpu
-test-gpu:
+# Both install this checkout into that Python first (editable, no dependencies).
+.PHONY: test-gpu bench-gpu gpu-install
+gpu-install:
+	$(PYTHON) -m pip install --no-deps --no-build-isolation -q -e .
+
+test-gpu: gpu-install
 	$(PYTHON) -m pytest -m gpu -p no:cacheprovider
 
-bench-gpu:
-	$(PYTHON) -m moe_overlay.backends.triton_moe.bench
+# BENCH_ARGS, e.g. "--model Kimi-K3 --tokens 1,8192 --markdown docs/performance.md"
+bench-gpu: gpu-install
+	$(PYTHON) -m moe_overlay.backends.triton_moe.bench $(BENCH_ARGS)

@@ -9,6 +9,7 @@ import sys
 
 # name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "tune": ("moe_overlay.backends.triton_moe.tune", "tune the Triton MoE kernels' launch configurations on this GPU"),
     "serve": ("moe_overlay.serving.serve", "serve a deployment YAML with vLLM's OpenAI-compatible server"),
 }
 

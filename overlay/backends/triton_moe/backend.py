@@ -1,0 +1,109 @@
+"""The Triton backend: a fused-MoE kernel for any GPU that Triton compiles for (NVIDIA, and
+ROCm's Triton on gfx942/gfx950), e.g. Kimi-K3's SiTU experts where AITER has no kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+
+import torch
+
+from ...backend import Backend, Platform, register_backend
+from ...errors import MoEInputError
+from ...layout import CANONICAL, Layout
+from ...spec import MoESpec
+from . import op  # noqa: F401  (registers torch.ops.moe_overlay.triton_experts)
+from .configs import LayerShape, current_table, is_tuned
+
+ACTIVATIONS = ("silu", "situ")
+FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # MI300 family: fp8 is e4m3fnuz in hardware
+FP8_AMD_ARCHS = (*FNUZ_ARCHS, "gfx950")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _nvidia_capability(platform: Platform) -> int:
+    return int(platform.arch.removeprefix("sm_")) if platform.arch else 0
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    priority = 80
+
+    def unsupported_reason(self, spec: MoESpec, platform: Platform) -> str | None:
+        if not triton_installed():
+            return "triton is not installed"
+        if platform.device_type != "cuda":
+            return f"needs a CUDA or ROCm GPU; this layer is on {platform}"
+        if platform.vendor == "nvidia" and _nvidia_capability(platform) < 80:
+            return f"needs sm_80 or newer for bf16 tensor cores; this GPU is {platform.arch}"
+        if spec.activation.kind not in ACTIVATIONS:
+            return f"activation {spec.activation.kind} is not implemented (only {', '.join(ACTIVATIONS)})"
+        if spec.has_bias:
+            return "expert biases are not implemented"
+        if spec.dtype == torch.float32:
+            return "float32 layers are not supported (bf16 or fp16 activations only)"
+        if spec.quant.weights == "mxfp4":
+            return "mxfp4 weights are not implemented"
+        if spec.quant.weights == "fp8":
+            return self._fp8_reason(spec, platform)
+        return None
+
+    @staticmethod
+    def _fp8_reason(spec: MoESpec, platform: Platform) -> str | None:
+        q = spec.quant
+        if q.activations != "fp8_block":
+            return (f"fp8 weights run as w8a8 with dynamic 1x128 activation groups (activations='fp8_block'), "
+                    f"not {q.activations!r}")
+        if q.granularity == "block" and q.block != (128, 128):
+            return f"fp8 block scales must be 128x128, not {q.block[0]}x{q.block[1]}"
+        if platform.vendor == "nvidia":
+            if q.fp8_format != "e4m3fn":
+                return f"{q.fp8_format} weights need ROCm (gfx942); NVIDIA GPUs use e4m3fn"
+            if _nvidia_capability(platform) < 89:
+                return f"fp8 needs sm_89 or newer; this GPU is {platform.arch}"
+        elif platform.arch not in FP8_AMD_ARCHS:
+            return f"fp8 needs gfx942 or gfx950; this GPU is {platform.arch}"
+        elif q.fp8_format == "e4m3fnuz" and platform.arch not in FNUZ_ARCHS:
+            return f"e4m3fnuz weights need gfx942; {platform.arch} uses e4m3fn"
+        return None
+
+    def layout_for(self, spec: MoESpec, platform: Platform) -> Layout:
+        # Canonical [E, N, K] is already what the kernel reads fastest: K-contiguous tiles for
+        # both operands (fp8 wgmma needs exactly that), gate and up as two tiles of one program.
+        # Only the fp8 flavour changes: MI300's hardware fp8 is e4m3fnuz.
+        if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and platform.arch in FNUZ_ARCHS:
+            return Layout("triton", fp8_format="e4m3fnuz")
+        return CANONICAL
+
+    def kernel_name(self, spec: MoESpec) -> str:
+        return f"moe_overlay::triton_experts ({LayerShape.of(spec).weights}, {spec.activation})"
+
+    def run(
+        self,
+        spec: MoESpec,
+        tensors: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+    ) -> torch.Tensor:
+        w13 = tensors["w13"]
+        if spec.quant.weights == "none" and w13.dtype != x.dtype:
+            raise MoEInputError(
+                f"the Triton backend needs {x.dtype} weights for {x.dtype} activations, got {w13.dtype}")
+        return torch.ops.moe_overlay.triton_experts(
+            x, w13, tensors["w2"], topk_weights, topk_ids, tensors.get("w13_scale"), tensors.get("w2_scale"),
+            expert_map, spec.activation.kind, list(spec.activation.params), spec.apply_router_weight_on_input,
+            spec.quant.granularity or "",
+        )
+
+    def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:
+        if platform.device_type != "cuda":
+            return None
+        return is_tuned(current_table(), torch.cuda.get_device_name(), LayerShape.of(spec))
+
+
+register_backend(TritonBackend())

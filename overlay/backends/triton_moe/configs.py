@@ -1,0 +1,165 @@
+"""Launch configurations: per (device name, layer shape, M bucket), tuned entries from files
+merged over a built-in default.
+
+Files are JSON: `{"devices": {DEVICE: {SHAPE_KEY: {BUCKET: LAUNCH_CONFIG}}}}`. The shipped
+ones live in configs/ beside this module; `MOE_OVERLAY_TRITON_CONFIGS` names more
+(os.pathsep-separated), merged after them. Merging works entry by entry: a later file adds
+or replaces single (device, shape, bucket) entries and never removes the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...spec import MoESpec
+
+SHIPPED_DIR = Path(__file__).parent / "configs"
+USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
+TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
+
+Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """BLOCK_M is shared: the sort pads each expert to it and both GEMMs walk its blocks."""
+
+    block_m: int
+    gate_up: KernelConfig
+    down: KernelConfig
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LaunchConfig:
+        return cls(int(data["block_m"]), KernelConfig(**data["gate_up"]), KernelConfig(**data["down"]))
+
+
+def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:
+    """bf16, fp16, or fp8-<granularity> for fp8 weights."""
+    if fp8_granularity:
+        return f"fp8-{fp8_granularity}"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the best launch depends on: this rank's sizes and the weights' format."""
+
+    experts: int  # local experts
+    hidden: int
+    inter: int
+    top_k: int
+    weights: str  # bf16, fp16, fp8-tensor, fp8-channel or fp8-block
+
+    @classmethod
+    def of(cls, spec: MoESpec) -> LayerShape:
+        weights = weights_tag(spec.dtype, spec.quant.granularity if spec.quant.weights == "fp8" else None)
+        return cls(spec.num_local_experts, spec.hidden_size, spec.intermediate_size, spec.top_k, weights)
+
+    @property
+    def key(self) -> str:
+        return f"E{self.experts}-H{self.hidden}-I{self.inter}-k{self.top_k}-{self.weights}"
+
+    @property
+    def fp8(self) -> bool:
+        return self.weights.startswith("fp8")
+
+
+def is_tiny(num_tokens: int, top_k: int) -> bool:
+    return num_tokens * top_k <= TINY_ROUTES
+
+
+def default_config(shape: LayerShape, num_tokens: int) -> LaunchConfig:
+    """A sane launch for any shape: block sizes from the routes each expert gets."""
+    if is_tiny(num_tokens, shape.top_k):
+        return LaunchConfig(TINY_ROUTES, KernelConfig(32, 128, 4, 4), KernelConfig(32, 128, 4, 2))
+    per_expert = num_tokens * shape.top_k / shape.experts
+    block_m = next((b for b in (16, 32, 64) if per_expert <= 2 * b), 128)
+    if block_m <= 32:  # weight streaming: narrow tiles, many programs, deep pipelines
+        return LaunchConfig(block_m, KernelConfig(64, 128, 4, 4), KernelConfig(64, 128, 4, 4))
+    block_k = 128 if shape.fp8 else 64
+    return LaunchConfig(block_m, KernelConfig(128, block_k, 8, 3, 8), KernelConfig(128, block_k, 8, 3, 8))
+
+
+def merge(base: Table, extra: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Table:
+    """`extra`'s (device, shape, bucket) entries over `base`'s; nothing in base is dropped."""
+    out: Table = {d: {s: dict(b) for s, b in shapes.items()} for d, shapes in base.items()}
+    for device, shapes in extra.items():
+        for shape, buckets in shapes.items():
+            out.setdefault(device, {}).setdefault(shape, {}).update(buckets)
+    return out
+
+
+def read_file(path: Path) -> Table:
+    try:
+        data = json.loads(Path(path).read_text())
+        devices = data["devices"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"Triton MoE config file {path} is unreadable or not in the expected format: {exc}") from exc
+    for device, shapes in devices.items():
+        for shape, buckets in shapes.items():
+            for bucket, entry in buckets.items():
+                try:
+                    int(bucket)
+                    LaunchConfig.from_json(entry)
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}: entry {device} / {shape} / {bucket} is not valid: {exc}") from exc
+    return devices
+
+
+def user_files() -> list[Path]:
+    return [Path(p) for p in os.environ.get(USER_FILES_ENV, "").split(os.pathsep) if p]
+
+
+def load_table(files: Iterable[Path]) -> Table:
+    table: Table = {}
+    for path in files:
+        table = merge(table, read_file(path))
+    return table
+
+
+@cache
+def _table(user: tuple[Path, ...]) -> Table:
+    return load_table([*sorted(SHIPPED_DIR.glob("*.json")), *user])
+
+
+def current_table() -> Table:
+    """Shipped files, then the user's; re-read only when the user's list changes."""
+    return _table(tuple(user_files()))
+
+
+def nearest_bucket(buckets: Iterable[str], num_tokens: int) -> str:
+    """The tuned M closest in ratio to `num_tokens` (ties to the smaller)."""
+    return min(buckets, key=lambda b: (abs(math.log2(int(b)) - math.log2(max(num_tokens, 1))), int(b)))
+
+
+def lookup(table: Table, device: str, shape: LayerShape, num_tokens: int) -> tuple[LaunchConfig, bool]:
+    """(launch config, whether it was tuned for this device and shape)."""
+    buckets = table.get(device, {}).get(shape.key)
+    if not buckets:
+        return default_config(shape, num_tokens), False
+    return LaunchConfig.from_json(buckets[nearest_bucket(buckets, num_tokens)]), True
+
+
+def is_tuned(table: Table, device: str, shape: LayerShape) -> bool:
+    return bool(table.get(device, {}).get(shape.key))

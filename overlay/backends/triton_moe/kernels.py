@@ -1,0 +1,323 @@
+"""The Triton kernels of the fused-experts backend. Plain `tl` only: no inline PTX, no
+vendor intrinsics, so ROCm's Triton compiles the same source; vendors differ only in the
+launch configuration (configs.py).
+
+Weights stay in the canonical `[E, N, K]` (K contiguous), which both wgmma (Hopper, and
+required for fp8) and MFMA read as is; gate and up are two B tiles of one program, so the
+activation is applied in registers and only `[routes, I]` reaches memory.
+
+Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
+- general mode: `align_kernel` sorts the routes by local expert into blocks of BLOCK_M;
+- tiny mode (at most BLOCK_M routes, e.g. one decode token): no sort; the program of route
+  slot s takes every route that goes to the same expert as s, and only the first such slot
+  runs, so each expert's weights are read once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SILU: tl.constexpr = tl.constexpr(0)
+SITU: tl.constexpr = tl.constexpr(1)
+# Weight quantisation, as the kernels see it.
+W_NONE: tl.constexpr = tl.constexpr(0)
+W_TENSOR: tl.constexpr = tl.constexpr(1)
+W_CHANNEL: tl.constexpr = tl.constexpr(2)
+W_BLOCK: tl.constexpr = tl.constexpr(3)
+SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation groups are 128 wide
+
+
+# Arguments that change with the number of tokens are not specialised on, so one compiled
+# kernel serves every batch size.
+@triton.jit(do_not_specialize=["num_routes"])
+def align_kernel(
+    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, cursor_ptr,
+    num_routes,
+    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: counting sort of the routes by local expert, each expert padded to BLOCK_M.
+
+    Writes the route ids in expert order (`sorted`), each block's expert and valid row count,
+    and the padded total. Order within an expert comes from atomics and may differ between
+    runs; each output row is computed on its own, so results do not.
+    """
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_routes, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+        counts += tl.histogram(local, E_PAD, mask=local >= 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, 0) - padded
+    tl.store(cursor_ptr + experts, starts)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    blocks = padded // BLOCK_M
+    first_block = starts // BLOCK_M
+    for j in range(0, tl.max(blocks, 0)):
+        here = j < blocks
+        tl.store(block_expert_ptr + first_block + j, experts, mask=here)
+        rows = tl.minimum(tl.maximum(counts - j * BLOCK_M, 0), BLOCK_M)
+        tl.store(block_rows_ptr + first_block + j, rows, mask=here)
+    tl.debug_barrier()  # the cursors written above are read by the atomics below
+    for start in range(0, num_routes, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+        valid = local >= 0
+        slot = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
+        tl.store(sorted_ptr + slot, offs, mask=valid)
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, offs, mask, HAS_MAP: tl.constexpr):
+    """Local expert slot of each route, -1 where masked off or not on this rank."""
+    ids = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ids >= 0, other=-1)
+    return ids
+
+
+@triton.jit
+def _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M: tl.constexpr):
+    """General mode: (expert, route ids, row mask, buffer rows) of M block `pid_m`; expert
+    -1 for blocks past the padded total. Buffer rows (the `[.., I]` intermediate) are the
+    padded sorted positions."""
+    offs = tl.arange(0, BLOCK_M)
+    busy = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    expert = tl.where(busy, tl.load(block_expert_ptr + pid_m, mask=busy, other=-1), -1)
+    rows = offs < tl.load(block_rows_ptr + pid_m, mask=busy, other=0)
+    routes = tl.load(sorted_ptr + pid_m * BLOCK_M + offs, mask=rows, other=0)
+    return expert, routes, rows, pid_m * BLOCK_M + offs
+
+
+@triton.jit
+def _tiny_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tiny mode: the routes that go to route `slot`'s expert; expert -1 unless `slot` is
+    the first of them. Buffer rows are the route ids."""
+    offs = tl.arange(0, BLOCK_M)
+    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+    expert = tl.load(ids_ptr + slot)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert)
+    rows = (local == expert) & (expert >= 0)
+    first = tl.min(tl.where(rows, offs, BLOCK_M), 0)
+    return tl.where(first == slot, expert, -1), offs, rows, offs
+
+
+@triton.jit
+def _grid_position(pid, num_blocks_m, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (M block, N tile), GROUP_M blocks side by side so that blocks of one
+    expert share each weight tile through the L2."""
+    num_pid_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _quantize_rows(a, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Dynamic fp8 quantisation of each row of `a` (one 128-wide activation group)."""
+    a = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX, 1e-12)
+    q = tl.clamp(a / scale[:, None], -FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+@triton.jit
+def _mma_step(acc, a, a_scale, b, b_scale_ptr, W_QUANT: tl.constexpr):
+    """acc += a @ b, rescaled for w8a8 (`a` already quantised when W_QUANT != W_NONE)."""
+    if W_QUANT == W_NONE:
+        return tl.dot(a, b, acc)
+    if W_QUANT == W_BLOCK:
+        return acc + tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptr)[None, :]
+    return acc + tl.dot(a, b) * a_scale[:, None]
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
+def gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    num_routes, num_blocks_m, inter, hidden, top_k,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    beta, linear_beta,
+    TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
+    columns of I; `w` is `[E, 2I, H]` (gate rows, then up rows)."""
+    pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
+    if TINY:
+        expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M)
+    else:
+        expert, routes, rows, buffer_rows = _sorted_rows(
+            pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < inter
+    a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    gate_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
+    up_scale_ptrs = scale_base + ((offs_n + inter) // SCALE_BLOCK) * stride_sn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
+        gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if W_QUANT != W_NONE:
+            a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale_ptrs + k, W_QUANT)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale_ptrs + k, W_QUANT)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if W_QUANT == W_TENSOR:
+        acc_gate *= tl.load(scale_base)
+        acc_up *= tl.load(scale_base)
+    if W_QUANT == W_CHANNEL:
+        acc_gate *= tl.load(scale_base + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
+        acc_up *= tl.load(scale_base + (offs_n + inter) * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W): scale the rows here, not the input
+        route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
+        acc_gate *= route_weight
+        acc_up *= route_weight
+    if ACTIVATION == SITU:
+        out = beta * _tanh(acc_gate / beta) * _sigmoid(acc_gate) * (linear_beta * _tanh(acc_up / linear_beta))
+    else:
+        out = acc_gate * _sigmoid(acc_gate) * acc_up
+    out_ptrs = out_ptr + buffer_rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def down_kernel(
+    a_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    num_blocks_m, hidden, inter,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
+    (the final output itself when top_k is 1)."""
+    pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
+    expert, routes, rows, buffer_rows = _sorted_rows(
+        pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < hidden
+    a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    block_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_ok = offs_k < inter - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if W_QUANT != W_NONE:
+            a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+        acc = _mma_step(acc, a, a_scale, w, block_scale_ptrs + k, W_QUANT)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT)
+    if not WEIGHT_ON_INPUT:
+        acc *= tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
+    out_ptrs = out_ptr + routes.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.constexpr):
+    """Per-tensor and per-channel weight scales, applied once after the K loop."""
+    if W_QUANT == W_TENSOR:
+        acc *= tl.load(scale_base)
+    if W_QUANT == W_CHANNEL:
+        acc *= tl.load(scale_base + offs_n * stride_sn, mask=n_ok, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def down_tiny_kernel(
+    a_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    hidden, inter, top_k,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """Tiny mode: out[t, n] = sum_j w_tj * (a[t*k+j] @ w2[e_tj]^T), a matrix-vector product
+    per route that also does the top-k reduction, so no route buffer and no extra launch."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, K_PAD)
+    n_ok = offs_n < hidden
+    route_ids = token * top_k + offs_j
+    local = _local_expert(ids_ptr, map_ptr, route_ids, offs_j < top_k, HAS_MAP)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, top_k):
+        route = token * top_k + j
+        expert = tl.sum(tl.where(offs_j == j, local, 0), 0)
+        here = expert >= 0
+        w_rows = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        scale_base = scale_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se
+        part = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < inter
+            a = tl.load(a_ptr + route * stride_am + offs_k, mask=k_ok & here, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :] & here, other=0.0)
+            w = w.to(tl.float32)
+            if W_QUANT != W_NONE:  # what the w8a8 GEMM computes: quantise-dequantise the input
+                q, a_scale = _quantize_rows(a[None, :], FP8, FP8_MAX)
+                a = q.to(tl.float32).reshape([BLOCK_K]) * tl.sum(a_scale, 0)
+            if W_QUANT == W_BLOCK:
+                w *= tl.load(scale_base + (offs_n // SCALE_BLOCK) * stride_sn + k, mask=n_ok & here, other=0.0)[:, None]
+            part += tl.sum(w * a[None, :], axis=1)
+        part = _scale_down_columns(part[None, :], scale_base, offs_n, n_ok & here, stride_sn, W_QUANT)
+        part = part.reshape([BLOCK_N])
+        if not WEIGHT_ON_INPUT:
+            part *= tl.load(topk_weights_ptr + route)
+        acc += tl.where(here, part, 0.0)
+    tl.store(out_ptr + token * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def sum_routes_kernel(
+    routes_ptr, out_ptr, ids_ptr, map_ptr, hidden, top_k,
+    HAS_MAP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over t's routes on this rank of routes[t*k + j] (fp32 sum; fixed order)."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, K_PAD)
+    route_ids = token * top_k + offs_j
+    local = _local_expert(ids_ptr, map_ptr, route_ids, offs_j < top_k, HAS_MAP)
+    h_ok = offs_h < hidden
+    values = tl.load(routes_ptr + route_ids.to(tl.int64)[:, None] * hidden + offs_h[None, :],
+                     mask=(local >= 0)[:, None] & h_ok[None, :], other=0.0)
+    total = tl.sum(values.to(tl.float32), axis=0)
+    tl.store(out_ptr + token * hidden + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_ok)

@@ -1,0 +1,249 @@
+"""Host side of the Triton kernels: buffers, grids and launches. Needs triton at import.
+
+Nothing here reads device memory back to the host: every size comes from tensor shapes and
+the launch table, and blocks past the real padded total exit on the device, so the whole
+call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kernels
+from .configs import TINY_ROUTES, LaunchConfig, LayerShape, current_table, is_tiny, lookup, weights_tag
+
+W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
+FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
+ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
+ALIGN_CHUNK = 2048
+REDUCE_BLOCK_H = 1024
+
+
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("compile_only", default=False)
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Within it, launches compile their kernels (into Triton's disk cache) and run nothing:
+    the tuner compiles in parallel processes, then times in one."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the kernels need to know of a layer beyond its tensors."""
+
+    shape: LayerShape
+    activation: str = "silu"
+    beta: float = 1.0  # SiTU's two betas
+    linear_beta: float = 1.0
+    weight_on_input: bool = False
+    granularity: str | None = None  # fp8 weight scales: tensor, channel or block
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
+           weight_on_input: bool, granularity: str | None) -> Layer:
+        weights = weights_tag(w13.dtype, granularity if w13.dtype in FP8_TL else None)
+        shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
+        beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
+        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Routes sorted by local expert, padded per expert to block_m (see kernels.align_kernel)."""
+
+    sorted_routes: torch.Tensor
+    block_expert: torch.Tensor
+    block_rows: torch.Tensor
+    num_padded: torch.Tensor
+    num_blocks: int  # an upper bound, fixed by the shapes
+
+
+@cache
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> LaunchConfig:
+    config, _ = lookup(current_table(), device_name(device), shape, num_tokens)
+    if is_tiny(num_tokens, shape.top_k):
+        config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
+    if shape.fp8:  # one K step per 128-wide scale block / activation group
+        config = replace(config, gate_up=replace(config.gate_up, block_k=128), down=replace(config.down, block_k=128))
+    return config
+
+
+def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int) -> Alignment:
+    routes = topk_ids.numel()
+    num_blocks = routes // block_m + min(routes, num_local) + 1
+    dev = topk_ids.device
+    out = Alignment(
+        torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),
+        torch.empty(num_blocks, dtype=torch.int32, device=dev),
+        torch.empty(num_blocks, dtype=torch.int32, device=dev),
+        torch.empty(1, dtype=torch.int32, device=dev),
+        num_blocks,
+    )
+    e_pad = triton.next_power_of_2(num_local)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    _launch(
+        kernels.align_kernel, (1,),
+        ids, ids if expert_map is None else expert_map, out.sorted_routes, out.block_expert, out.block_rows,
+        out.num_padded, cursor, routes,
+        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=8,
+    )
+    return out
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(tensor, expert stride, row stride) of a canonical scale; the weight stands in when none."""
+    if scale is None:
+        return weight, 0, 0
+    scale = scale.contiguous()
+    return scale, scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0
+
+
+def gate_up(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
+    layer: Layer, config: LaunchConfig, out: torch.Tensor,
+) -> None:
+    """act(x @ w13^T) into `out`: rows by padded sorted position, or by route when tiny."""
+    cfg = config.gate_up
+    inter = layer.shape.inter
+    ids = topk_ids.reshape(-1)
+    tiny = alignment is None
+    num_blocks = ids.numel() if tiny else alignment.num_blocks
+    sorted_args = (ids, ids, ids, ids) if tiny else (
+        alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
+    scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
+    fp8, fp8_max = _fp8_args(w13)
+    grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
+    _launch(
+        kernels.gate_up_kernel, grid,
+        x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
+        ids.numel(), num_blocks, inter, layer.shape.hidden, layer.shape.top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(0),
+        layer.beta, layer.linear_beta,
+        TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
+        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def down(
+    a: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    alignment: Alignment, layer: Layer, config: LaunchConfig, out: torch.Tensor,
+) -> None:
+    """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1)."""
+    cfg = config.down
+    scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
+    fp8, fp8_max = _fp8_args(w2)
+    grid = (alignment.num_blocks * triton.cdiv(layer.shape.hidden, cfg.block_n),)
+    _launch(
+        kernels.down_kernel, grid,
+        a, w2, scale, out, topk_weights,
+        alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
+        alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
+        a.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
+        FP8=fp8, FP8_MAX=fp8_max,
+        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def down_tiny(
+    a: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
+    out: torch.Tensor,
+) -> None:
+    """Tiny mode: the down projection and the top-k sum straight into `out` `[M, H]`."""
+    cfg = config.down
+    scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
+    fp8, fp8_max = _fp8_args(w2)
+    ids = topk_ids.reshape(-1)
+    grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n))
+    _launch(
+        kernels.down_tiny_kernel, grid,
+        a, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
+        a.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def sum_routes(routes: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+               out: torch.Tensor) -> None:
+    num_tokens, top_k = topk_ids.shape
+    hidden = out.shape[1]
+    ids = topk_ids.reshape(-1)
+    _launch(
+        kernels.sum_routes_kernel, (num_tokens, triton.cdiv(hidden, REDUCE_BLOCK_H)),
+        routes, out, ids, ids if expert_map is None else expert_map, hidden, top_k,
+        HAS_MAP=expert_map is not None, K_PAD=triton.next_power_of_2(top_k), BLOCK_H=REDUCE_BLOCK_H,
+        num_warps=4,
+    )
+
+
+def _fp8_args(weight: torch.Tensor) -> tuple[object, float]:
+    """The kernel's fp8 type and largest value: the weights' physical flavour (fnuz on gfx942)."""
+    if weight.dtype not in FP8_TL:
+        return tl.float8e4nv, 448.0  # unused: no fp8 in this specialisation
+    return FP8_TL[weight.dtype], float(torch.finfo(weight.dtype).max)
+
+
+def fused_experts(
+    layer: Layer, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The whole layer: sort, gate/up + activation, down + routing weight, top-k sum."""
+    num_tokens, top_k = topk_ids.shape
+    config = config or launch_config(layer.shape, x.device, num_tokens)
+    x = x.contiguous()
+    hidden, inter = layer.shape.hidden, layer.shape.inter
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if is_tiny(num_tokens, top_k):
+        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, act)
+        down_tiny(act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
+        return out
+    alignment = align(topk_ids, expert_map, layer.shape.experts, config.block_m)
+    act = torch.empty(alignment.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+    gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, config, act)
+    if top_k == 1:
+        if expert_map is not None:
+            out.zero_()  # tokens routed off this rank get no row written
+        down(act, w2, w2_scale, topk_weights, alignment, layer, config, out)
+        return out
+    routes = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    down(act, w2, w2_scale, topk_weights, alignment, layer, config, routes)
+    sum_routes(routes, topk_ids, expert_map, out)
+    return out

@@ -1,0 +1,115 @@
+"""The problems the Triton backend is checked, tuned and measured on: the four models' MoE
+layers as one GPU holds them under 8-way tensor parallelism, seeded random routings and
+weights, and the hardware floor of each point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ...checks import canonical_shapes
+from ...quant import quantize_fp8
+from ...spec import Activation, MoESpec, QuantSpec
+
+TOKEN_COUNTS = (1, 16, 128, 1024, 8192)
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    spec: MoESpec
+
+
+# Per-GPU shapes under TP8: I is the model's intermediate size / 8 (Kimi-K3's experts work
+# in its 3584 latent). Maverick applies the router weight to the input, as Llama-4 does.
+MODELS = (
+    Model("Mixtral", MoESpec(8, 4096, 1792, 2)),
+    Model("DeepSeek-V3", MoESpec(256, 7168, 256, 8)),
+    Model("Maverick", MoESpec(128, 5120, 1024, 1, apply_router_weight_on_input=True)),
+    Model("Kimi-K3", MoESpec(896, 3584, 384, 16, Activation.situ())),
+)
+FP8_MODELS = ("DeepSeek-V3", "Kimi-K3")
+
+
+def model(name: str) -> Model:
+    return next(m for m in MODELS if m.name == name)
+
+
+def with_weights(spec: MoESpec, weights: str) -> MoESpec:
+    """`spec` with weights in one of WEIGHT_FORMATS (fp8: w8a8, 1x128 activation groups)."""
+    if weights == "fp16":
+        return replace(spec, dtype=torch.float16)
+    if weights.startswith("fp8-"):
+        return replace(spec, quant=QuantSpec("fp8", weights.removeprefix("fp8-"), (128, 128), "e4m3fn", "fp8_block"))
+    return spec
+
+
+def random_routing(
+    num_tokens: int, spec: MoESpec, device: torch.device | str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token picks top_k distinct experts uniformly at random (a balanced router's
+    statistics), with positive weights summing to one: (fp32 [M, k], int32 [M, k])."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(num_tokens, spec.num_experts, generator=gen, device=device)
+    ids = scores.topk(spec.top_k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(num_tokens, spec.top_k, generator=gen, device=device) + 0.5
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+def random_weights(spec: MoESpec, device: torch.device | str, seed: int) -> dict[str, torch.Tensor]:
+    """Canonical expert tensors, scaled so that activations stay O(1) through both GEMMs."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
+    tensors = {}
+    for name, (n, k) in {"w13": (2 * i, h), "w2": (h, i)}.items():
+        w = torch.randn(e, n, k, generator=gen, device=device, dtype=spec.dtype).mul_(k**-0.5 * 2)
+        if spec.quant.weights == "fp8":
+            tensors[name], tensors[f"{name}_scale"] = quantize_fp8(w, spec.quant)
+        else:
+            tensors[name] = w
+        del w
+    return tensors
+
+
+def empty_weights(spec: MoESpec, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Canonical tensors of the right shapes and dtypes, unfilled: for work that reads none."""
+    return {name: torch.empty(shape, dtype=spec.dtype if spec.dtype in dtypes else dtypes[0], device=device)
+            for name, (shape, dtypes) in canonical_shapes(spec).items()}
+
+
+def random_input(num_tokens: int, spec: MoESpec, device: torch.device | str, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(num_tokens, spec.hidden_size, generator=gen, device=device, dtype=spec.dtype)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least time a point can take: all routed experts' weights read once from HBM, or
+    all its FLOPs at the bf16 matrix rate, whichever is longer."""
+
+    weight_bytes: int
+    flops: int
+    bandwidth: float  # bytes/s
+    matrix_rate: float  # FLOP/s
+
+    @property
+    def seconds(self) -> float:
+        return max(self.weight_bytes / self.bandwidth, self.flops / self.matrix_rate)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.weight_bytes / self.bandwidth >= self.flops / self.matrix_rate else "compute"
+
+
+def bytes_per_expert(spec: MoESpec) -> int:
+    elem = 1 if spec.quant.weights == "fp8" else torch.finfo(spec.dtype).bits // 8
+    return 3 * spec.hidden_size * spec.intermediate_size * elem
+
+
+def floor_for(spec: MoESpec, topk_ids: torch.Tensor, bandwidth: float, matrix_rate: float) -> Floor:
+    """Floor of one routing: weight bytes of the distinct experts hit, FLOPs of every route."""
+    distinct = int(torch.unique(topk_ids).numel())
+    flops = 2 * topk_ids.numel() * 3 * spec.hidden_size * spec.intermediate_size
+    return Floor(distinct * bytes_per_expert(spec), flops, bandwidth, matrix_rate)

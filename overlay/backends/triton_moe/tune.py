@@ -1,0 +1,254 @@
+"""`moe-overlay tune`: time the Triton MoE kernels' launch configurations on this GPU for each
+layer shape and token count, and write the fastest to a file the backend merges over its
+table (MOE_OVERLAY_TRITON_CONFIGS, or the shipped configs/ directory).
+
+Compiling dominates a naive search, so the candidates are first compiled in parallel
+processes (Triton's disk cache keeps them), then timed one after another in this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...spec import MoESpec
+from .configs import TINY_ROUTES, KernelConfig, LaunchConfig, LayerShape, default_config, is_tiny, merge, read_file
+from .problems import MODELS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
+
+ROUTINGS = 4  # routings per point, run back to back, so that weights come from HBM, not L2
+REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", choices=[m.name for m in MODELS],
+                        help="a model's per-GPU layer under TP8 (repeatable; default: all four)")
+    parser.add_argument("--shape", action="append", default=[], metavar="E,H,I,K",
+                        help="another layer: local experts, hidden, intermediate, top-k (repeatable)")
+    parser.add_argument("--weights", action="append", choices=WEIGHT_FORMATS,
+                        help="weight format (repeatable; default: bf16)")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)),
+                        help="token counts to tune, comma-separated (each becomes an M bucket)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file to write; existing entries in it are kept unless re-tuned "
+                             "(default: moe-overlay-triton-<device>.json here)")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes that compile candidates in parallel")
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    spec: MoESpec
+    tokens: int
+
+    @property
+    def shape(self) -> LayerShape:
+        return LayerShape.of(self.spec)
+
+
+def points_from_args(args: argparse.Namespace) -> list[Point]:
+    names = args.model or ([] if args.shape else [m.name for m in MODELS])
+    layers = [(n, model(n).spec) for n in names]
+    for text in args.shape:
+        e, h, i, k = (int(v) for v in text.split(","))
+        layers.append((text, MoESpec(e, h, i, k)))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    return [Point(f"{name} {weights}", with_weights(spec, weights), m)
+            for weights in args.weights or ["bf16"] for name, spec in layers for m in tokens]
+
+
+# -- candidates -----------------------------------------------------------------------------
+
+
+def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
+    if is_tiny(tokens, shape.top_k):
+        return [TINY_ROUTES]
+    block_m = default_config(shape, tokens).block_m
+    return [block_m, block_m * 2] if block_m < 128 else [64, 128]
+
+
+def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> bool:
+    """Shared memory of the pipelined operand tiles, and accumulator registers per thread."""
+    stage = (block_m + b_tiles * cfg.block_n) * cfg.block_k * 2
+    regs = b_tiles * block_m * cfg.block_n // (32 * cfg.num_warps)
+    return cfg.num_stages * stage <= smem_bytes and regs <= REG_BUDGET
+
+
+def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> list[KernelConfig]:
+    """gate/up (two B tiles per program) or down (one): narrow tiles for weight streaming
+    (small blocks), big ones for the tensor cores (large blocks)."""
+    block_ks = (128,) if fp8 else (64, 128, 256)
+    if block_m <= 32:
+        grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in (3, 4)]
+    else:
+        widths = (64, 128) if b_tiles == 2 else (64, 128, 256)
+        grid = [KernelConfig(n, k, w, s, 8) for n in widths for k in block_ks[:2] for w in (4, 8) for s in (3, 4)]
+    return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
+
+
+def down_tiny_candidates(fp8: bool) -> list[KernelConfig]:
+    """The tiny down kernel is a matrix-vector product: no tensor cores, no pipelining."""
+    block_ks = (128,) if fp8 else (128, 256)
+    return [KernelConfig(n, k, w, 2) for n in (16, 32, 64) for k in block_ks for w in (2, 4)
+            if n * k // (32 * w) <= REG_BUDGET]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    block_m: int
+    gate_up: list[KernelConfig]
+    down: list[KernelConfig]
+
+
+def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
+    fp8 = point.shape.fp8
+    tiny = is_tiny(point.tokens, point.spec.top_k)
+    out = []
+    for block_m in block_m_candidates(point.shape, point.tokens):
+        downs = down_tiny_candidates(fp8) if tiny else gemm_candidates(block_m, fp8, 1, smem_bytes)
+        out.append(Candidates(block_m, gemm_candidates(block_m, fp8, 2, smem_bytes), downs))
+    return out
+
+
+# -- running the kernels of one candidate ---------------------------------------------------
+
+
+class Problem:
+    """One point's weights (in the layout the backend prepares), routings and buffers."""
+
+    def __init__(self, point: Point, routings: int, random: bool) -> None:
+        import torch
+
+        from . import launch
+        from .problems import empty_weights, random_input, random_routing, random_weights
+
+        spec, device = point.spec, torch.device("cuda")
+        self.point = point
+        # compiling needs shapes and dtypes only
+        self.tensors = random_weights(spec, device, seed=0) if random else empty_weights(spec, device)
+        self.inputs = [(random_input(point.tokens, spec, device, seed=100 + g),
+                        *random_routing(point.tokens, spec, device, seed=200 + g)) for g in range(routings)]
+        act = spec.activation
+        self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),
+                                     spec.apply_router_weight_on_input, spec.quant.granularity)
+        self.tiny = is_tiny(point.tokens, spec.top_k)
+
+    def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig], None]]:
+        """(run gate/up with a config, run down with a config) over every routing."""
+        import torch
+
+        from . import launch
+
+        t, spec, layer = self.tensors, self.point.spec, self.layer
+        inter, hidden = spec.intermediate_size, spec.hidden_size
+        aligns = [None if self.tiny else launch.align(ids, None, spec.num_local_experts, block_m)
+                  for _, _, ids in self.inputs]
+        rows = [self.point.tokens * spec.top_k if a is None else a.num_blocks * block_m for a in aligns]
+        acts = [torch.zeros(r, inter, dtype=spec.dtype, device="cuda") for r in rows]
+        outs = [torch.empty(self.point.tokens * (1 if self.tiny else spec.top_k), hidden, dtype=spec.dtype,
+                            device="cuda") for _ in self.inputs]
+
+        def gate_up(cfg: KernelConfig) -> None:
+            config = LaunchConfig(block_m, cfg, cfg)
+            for (x, w, ids), a, act in zip(self.inputs, aligns, acts, strict=True):
+                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, act)
+
+        def down(cfg: KernelConfig) -> None:
+            config = LaunchConfig(block_m, cfg, cfg)
+            for (_, w, ids), a, act, out in zip(self.inputs, aligns, acts, outs, strict=True):
+                if a is None:
+                    launch.down_tiny(act, t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
+                else:
+                    launch.down(act, t["w2"], t.get("w2_scale"), w, a, layer, config, out)
+
+        return gate_up, down
+
+
+def _compile(task: tuple[Point, list[Candidates]]) -> int:
+    """Worker: compile every candidate of one point into Triton's disk cache; count failures."""
+    from .launch import compile_only
+
+    point, cands = task
+    problem = Problem(point, 1, random=False)
+    failures = 0
+    with compile_only():
+        for c in cands:
+            gate_up, down = problem.runners(c.block_m)
+            for run, cfgs in ((gate_up, c.gate_up), (down, c.down)):
+                for cfg in cfgs:
+                    try:
+                        run(cfg)
+                    except Exception:  # e.g. out of shared memory: the timing pass skips it too
+                        failures += 1
+    return failures
+
+
+def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) -> tuple[KernelConfig, float]:
+    from .timing import graph_replay_seconds
+
+    best: tuple[KernelConfig, float] | None = None
+    for cfg in cfgs:
+        try:
+            seconds = graph_replay_seconds(lambda cfg=cfg: run(cfg), replays=5, warmup=2)
+        except Exception:
+            continue
+        if best is None or seconds < best[1]:
+            best = (cfg, seconds)
+    if best is None:
+        raise RuntimeError("no candidate launch configuration ran")
+    return best
+
+
+def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float]:
+    """The fastest (block_m, gate/up, down) for one point and its time per call in seconds."""
+    problem = Problem(point, ROUTINGS, random=True)
+    best: tuple[LaunchConfig, float] | None = None
+    for c in cands:
+        gate_up, down = problem.runners(c.block_m)
+        gu_cfg, gu_s = _fastest(gate_up, c.gate_up)
+        down_cfg, down_s = _fastest(down, c.down)
+        if best is None or gu_s + down_s < best[1]:
+            best = (LaunchConfig(c.block_m, gu_cfg, down_cfg), gu_s + down_s)
+    assert best is not None
+    return best[0], best[1] / ROUTINGS
+
+
+def run(args: argparse.Namespace) -> int:
+    import multiprocessing
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moe-overlay tune needs a CUDA or ROCm GPU")
+        return 1
+    device = torch.cuda.get_device_name()
+    smem = getattr(torch.cuda.get_device_properties(), "shared_memory_per_block_optin", 0) or 64 * 1024
+    out = args.out or Path(f"moe-overlay-triton-{device.replace(' ', '_')}.json")
+    points = points_from_args(args)
+    plan = [(p, candidates(p, smem)) for p in points]
+    total = sum(len(c.gate_up) + len(c.down) for _, cands in plan for c in cands)
+    print(f"tuning {len(points)} points on {device}: {total} candidate kernels, compiling with {args.jobs} processes",
+          flush=True)
+    started = time.time()
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done, failures in enumerate(pool.map(_compile, plan), 1):
+            print(f"  compiled {done}/{len(plan)} points ({failures} candidates failed) "
+                  f"[{time.time() - started:.0f}s]", flush=True)
+    table: dict[str, Any] = read_file(out) if out.exists() else {}
+    for n, (point, cands) in enumerate(plan, 1):
+        config, seconds = tune_point(point, cands)
+        entry = {**config.to_json(), "tuned_us": round(seconds * 1e6, 1)}
+        table = merge(table, {device: {point.shape.key: {str(point.tokens): entry}}})
+        out.write_text(json.dumps({"devices": table}, indent=1, sort_keys=True) + "\n")
+        print(f"[{n}/{len(plan)}] {point.name} M={point.tokens}: {seconds * 1e6:.1f} us  {config} "
+              f"[{time.time() - started:.0f}s]", flush=True)
+    print(f"wrote {out}; the backend reads it when {out} is listed in MOE_OVERLAY_TRITON_CONFIGS "
+          "or placed in the package's configs/ directory")
+    return 0

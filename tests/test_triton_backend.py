@@ -1,0 +1,248 @@
+"""The Triton backend without a GPU: support rules, layout, launch-config table, tuner
+planning, the benchmark's floor and its torch._grouped_mm peer (the kernels: test_triton_kernels.py)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import moe_overlay as mo
+from moe_overlay.backends.reference import reference_moe
+from moe_overlay.backends.triton_moe import backend as triton_backend
+from moe_overlay.backends.triton_moe import configs
+from moe_overlay.backends.triton_moe.bench import grouped_mm_experts
+from moe_overlay.backends.triton_moe.problems import (
+    MODELS,
+    bytes_per_expert,
+    floor_for,
+    random_input,
+    random_routing,
+    random_weights,
+    with_weights,
+)
+from moe_overlay.backends.triton_moe.tune import (
+    REG_BUDGET,
+    block_m_candidates,
+    candidates,
+    points_from_args,
+)
+from moe_overlay.cli import build_parser
+from moe_overlay.layout import to_canonical, to_layout
+from moe_overlay.quant import quantize_fp8
+
+H100 = mo.Platform("cuda", "nvidia", "sm_90")
+SPEC = mo.MoESpec(8, 256, 128, 2)
+FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block")
+TRITON = mo.get_backend("triton")
+
+
+@pytest.fixture
+def with_triton(monkeypatch):
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: True)
+
+
+def test_registered_between_aiter_and_upstream():
+    assert TRITON.priority == 80
+    assert "triton" in mo.backend_names()
+
+
+def test_without_triton_says_so(monkeypatch):
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: False)
+    assert TRITON.unsupported_reason(SPEC, H100) == "triton is not installed"
+
+
+@pytest.mark.parametrize(("spec", "platform", "reason"), [
+    (SPEC, mo.Platform("cpu", "cpu"), "needs a CUDA or ROCm GPU"),
+    (SPEC, mo.Platform("cuda", "nvidia", "sm_75"), "needs sm_80 or newer"),
+    (mo.MoESpec(8, 256, 128, 2, mo.Activation.gelu()), H100, "activation gelu is not implemented"),
+    (mo.MoESpec(8, 256, 128, 2, has_bias=True), H100, "biases are not implemented"),
+    (mo.MoESpec(8, 256, 128, 2, dtype=torch.float32), H100, "float32 layers are not supported"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4")), H100, "mxfp4"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "block", activations="fp8_token")), H100,
+     "activations='fp8_block'"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "block", (64, 64), activations="fp8_block")), H100,
+     "128x128"),
+    (mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK), mo.Platform("cuda", "nvidia", "sm_80"), "sm_89 or newer"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "tensor", fp8_format="e4m3fnuz", activations="fp8_block")),
+     H100, "need ROCm"),
+    (mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK), mo.Platform("cuda", "amd", "gfx90a"), "gfx942 or gfx950"),
+])
+def test_unsupported_layers_are_refused_with_the_reason(with_triton, spec, platform, reason):
+    assert reason in TRITON.unsupported_reason(spec, platform)
+
+
+@pytest.mark.parametrize(("spec", "platform"), [
+    (SPEC, H100),
+    (mo.MoESpec(896, 3584, 384, 16, mo.Activation.situ()), mo.Platform("cuda", "amd", "gfx942")),
+    (mo.MoESpec(8, 256, 128, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, 4)), H100),
+    (mo.MoESpec(8, 256, 128, 2, dtype=torch.float16, quant=FP8_BLOCK), H100),
+    (mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK), mo.Platform("cuda", "amd", "gfx950")),
+])
+def test_supported_layers(with_triton, spec, platform):
+    assert TRITON.unsupported_reason(spec, platform) is None
+
+
+def test_auto_selection_prefers_triton_over_the_reference_on_a_gpu(with_triton):
+    selection = mo.select_backend(SPEC, H100)
+    assert selection.backend.name == "triton"
+
+
+def test_layout_is_canonical_except_fp8_on_mi300():
+    fp8 = mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK)
+    assert TRITON.layout_for(SPEC, H100) == mo.CANONICAL
+    assert TRITON.layout_for(fp8, H100) == mo.CANONICAL
+    assert TRITON.layout_for(fp8, mo.Platform("cuda", "amd", "gfx950")) == mo.CANONICAL
+    assert TRITON.layout_for(SPEC, mo.Platform("cuda", "amd", "gfx942")) == mo.CANONICAL
+    mi300 = TRITON.layout_for(fp8, mo.Platform("cuda", "amd", "gfx942"))
+    assert mi300.fp8_format == "e4m3fnuz"
+    w13, s13 = quantize_fp8(torch.randn(8, 256, 256), FP8_BLOCK)
+    w2, s2 = quantize_fp8(torch.randn(8, 256, 128), FP8_BLOCK)
+    canonical = {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}
+    prepared = to_layout(canonical, fp8, mi300)
+    assert prepared["w13"].dtype == torch.float8_e4m3fnuz
+    # same values: fnuz bits read as half the e4m3fn value, scales doubled
+    assert torch.equal(prepared["w13"].float() * 2, w13.float())
+    back = to_canonical(prepared, fp8, mi300)
+    assert torch.equal(back["w2"].view(torch.int8), w2.view(torch.int8).masked_fill(w2.view(torch.int8) == -128, 0))
+
+
+def test_kernel_name_and_tuned_state_off_gpu():
+    assert "moe_overlay::triton_experts" in TRITON.kernel_name(SPEC)
+    assert TRITON.is_tuned(SPEC, mo.Platform("cpu", "cpu")) is None
+
+
+def test_fake_gives_the_output_shape_without_triton():
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        out = torch.ops.moe_overlay.triton_experts(
+            torch.empty(5, 256, dtype=torch.bfloat16), torch.empty(8, 256, 256, dtype=torch.bfloat16),
+            torch.empty(8, 256, 128, dtype=torch.bfloat16), torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int32),
+            None, None, None, "silu", [], False, "")
+    assert out.shape == (5, 256) and out.dtype == torch.bfloat16
+
+
+# -- launch configurations -------------------------------------------------------------------
+
+
+def _entry(block_m, block_n=64):
+    kernel = {"block_n": block_n, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    return {"block_m": block_m, "gate_up": kernel, "down": kernel}
+
+
+def _write(path, devices):
+    path.write_text(json.dumps({"devices": devices}))
+    return path
+
+
+def test_shape_keys_name_everything_that_changes_the_best_launch():
+    assert configs.LayerShape.of(SPEC).key == "E8-H256-I128-k2-bf16"
+    ep = mo.MoESpec(8, 256, 128, 2, dtype=torch.float16, expert_map=(0, 1, -1, -1, 2, 3, -1, -1))
+    assert configs.LayerShape.of(ep).key == "E4-H256-I128-k2-fp16"
+    assert configs.LayerShape.of(mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK)).key == "E8-H256-I128-k2-fp8-block"
+
+
+def test_defaults_grow_blocks_with_the_routes_per_expert():
+    shape = configs.LayerShape.of(mo.MoESpec(8, 4096, 1792, 2))
+    assert configs.default_config(shape, 1).block_m == configs.TINY_ROUTES
+    sizes = [configs.default_config(shape, m).block_m for m in (16, 64, 1024, 8192)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+
+
+def test_user_file_adds_and_overrides_entries_and_never_wipes(tmp_path):
+    shipped = _write(tmp_path / "shipped.json",
+                     {"GPU": {"A": {"1": _entry(16), "128": _entry(64)}, "B": {"1": _entry(16)}}})
+    user = _write(tmp_path / "user.json", {"GPU": {"A": {"128": _entry(128)}, "C": {"8": _entry(32)}},
+                                           "Other GPU": {"A": {"1": _entry(32)}}})
+    table = configs.load_table([shipped, user])
+    assert table["GPU"]["A"]["1"] == _entry(16)  # kept
+    assert table["GPU"]["A"]["128"] == _entry(128)  # overridden
+    assert table["GPU"]["B"] == {"1": _entry(16)}  # untouched shape kept
+    assert table["GPU"]["C"]["8"] == _entry(32) and table["Other GPU"]["A"]["1"] == _entry(32)  # added
+
+
+def test_user_files_come_from_the_environment_after_the_shipped_ones(tmp_path, monkeypatch):
+    shipped_dir = tmp_path / "shipped"
+    shipped_dir.mkdir()
+    _write(shipped_dir / "gpu.json", {"GPU": {"E8-H256-I128-k2-bf16": {"1": _entry(16), "64": _entry(32)}}})
+    user = _write(tmp_path / "mine.json", {"GPU": {"E8-H256-I128-k2-bf16": {"64": _entry(64)}}})
+    monkeypatch.setattr(configs, "SHIPPED_DIR", shipped_dir)
+    configs._table.cache_clear()
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(user))
+    shape = configs.LayerShape.of(SPEC)
+    config, tuned = configs.lookup(configs.current_table(), "GPU", shape, 50)
+    assert tuned and config.block_m == 64
+    assert configs.lookup(configs.current_table(), "GPU", shape, 1)[0].block_m == 16
+    configs._table.cache_clear()
+
+
+def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
+    table = {"GPU": {"E8-H256-I128-k2-bf16": {"1": _entry(16), "16": _entry(32), "1024": _entry(128)}}}
+    shape = configs.LayerShape.of(SPEC)
+    assert [configs.lookup(table, "GPU", shape, m)[0].block_m for m in (1, 3, 8, 100, 300, 9000)] == [
+        16, 16, 32, 32, 128, 128]
+    other = configs.LayerShape.of(mo.MoESpec(8, 512, 128, 2))
+    config, tuned = configs.lookup(table, "GPU", other, 100)
+    assert not tuned and config == configs.default_config(other, 100)
+    assert configs.is_tuned(table, "GPU", shape) and not configs.is_tuned(table, "Other GPU", shape)
+
+
+def test_bad_config_files_are_named(tmp_path):
+    bad = _write(tmp_path / "bad.json", {"GPU": {"A": {"many": _entry(16)}}})
+    with pytest.raises(ValueError, match=r"bad.json: entry GPU / A / many"):
+        configs.read_file(bad)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match=r"broken.json is unreadable"):
+        configs.read_file(tmp_path / "broken.json")
+
+
+# -- the tuner's plan ---------------------------------------------------------------------------
+
+
+def test_tune_is_a_cli_subcommand_and_plans_points():
+    args = build_parser().parse_args(["tune", "--model", "Kimi-K3", "--shape", "16,512,256,4", "--weights", "bf16",
+                                      "--weights", "fp8-block", "--tokens", "1,128"])
+    points = points_from_args(args)
+    assert len(points) == 8
+    assert {p.shape.key for p in points} >= {"E896-H3584-I384-k16-bf16", "E16-H512-I256-k4-fp8-block"}
+
+
+def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
+    for point in points_from_args(build_parser().parse_args(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
+        for c in candidates(point, 227 * 1024):
+            assert c.gate_up and c.down
+            for cfg, tiles in [(g, 2) for g in c.gate_up] + [(d, 1) for d in c.down]:
+                assert tiles * c.block_m * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
+                assert cfg.block_k == 128 or not point.shape.fp8
+    assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
+
+
+# -- the benchmark's arithmetic and its peer ------------------------------------------------------
+
+
+def test_random_routing_is_seeded_distinct_and_normalised():
+    w, ids = random_routing(64, MODELS[1].spec, "cpu", seed=3)
+    assert torch.equal(ids, random_routing(64, MODELS[1].spec, "cpu", seed=3)[1])
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    torch.testing.assert_close(w.sum(dim=1), torch.ones(64))
+
+
+def test_floor_counts_distinct_experts_and_all_routes():
+    spec = MODELS[0].spec  # Mixtral TP8: 3 * 4096 * 1792 bf16 per expert
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    floor = floor_for(spec, ids, bandwidth=4e12, matrix_rate=800e12)
+    assert floor.weight_bytes == 3 * (3 * 4096 * 1792 * 2)
+    assert floor.flops == 2 * 6 * 3 * 4096 * 1792
+    assert floor.bound == "memory" and math.isclose(floor.seconds, floor.weight_bytes / 4e12)
+    assert floor_for(spec, torch.zeros(8192, 2, dtype=torch.int32), 4e12, 800e12).bound == "compute"
+    assert bytes_per_expert(with_weights(spec, "fp8-block")) * 2 == bytes_per_expert(spec)
+
+
+@pytest.mark.parametrize("spec", [mo.MoESpec(8, 64, 32, 2), mo.MoESpec(8, 64, 32, 1, apply_router_weight_on_input=True),
+                                  mo.MoESpec(16, 64, 32, 4, mo.Activation.situ())], ids=str)
+def test_grouped_mm_peer_computes_the_layer(spec):
+    t = random_weights(spec, "cpu", seed=0)
+    w, ids = random_routing(37, spec, "cpu", seed=1)
+    x = random_input(37, spec, "cpu", seed=2)
+    out = grouped_mm_experts(spec, t["w13"].transpose(1, 2), t["w2"].transpose(1, 2), x, w, ids)
+    ref = reference_moe(x, t["w13"], t["w2"], w, ids, spec.quant, spec.activation, spec.apply_router_weight_on_input)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2

@@ -1,0 +1,206 @@
+"""The Triton kernels against the torch reference. On a GPU (`make test-gpu`); without one,
+skipped, unless TRITON_INTERPRET=1 asks for Triton's CPU interpreter (small shapes only;
+the interpreter's bf16 dot and fp8 rounding are wrong, so it runs fp16 and skips fp8)."""
+
+import os
+
+import pytest
+import torch
+
+import moe_overlay as mo
+from moe_overlay.backends.reference import reference_moe
+from moe_overlay.backends.triton_moe.configs import LayerShape, current_table, is_tuned
+from moe_overlay.backends.triton_moe.problems import (
+    FP8_MODELS,
+    MODELS,
+    TOKEN_COUNTS,
+    empty_weights,
+    random_input,
+    random_routing,
+    random_weights,
+    with_weights,
+)
+from moe_overlay.routing import grouped_topk
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.cuda.is_available()
+INTERPRET = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+needs_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU (TRITON_INTERPRET=1 runs these on CPU)")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no GPU")
+FP8_CAPABLE = CUDA and (torch.version.hip is not None or torch.cuda.get_device_capability() >= (8, 9))
+fp8_ok = pytest.mark.skipif(not FP8_CAPABLE, reason="fp8 needs sm_89 or newer (the interpreter rounds it wrongly)")
+
+
+def _error(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _check(spec, m, tol, seed=0):
+    """Triton through the adapter vs the reference, on fresh random data; every row written."""
+    tensors = random_weights(spec, DEVICE, seed)
+    w, ids = random_routing(m, spec, DEVICE, seed + 1)
+    x = random_input(m, spec, DEVICE, seed + 2)
+    emap = spec.expert_map_tensor(DEVICE)
+    ref = reference_moe(x, tensors["w13"], tensors["w2"], w, ids, spec.quant, spec.activation,
+                        spec.apply_router_weight_on_input, (tensors.get("w13_scale"), tensors.get("w2_scale")),
+                        expert_map=emap)
+    prepared = mo.PreparedExperts(spec, tensors, mo.get_backend("triton"))
+    prepared.prepare()
+    out = prepared.apply(x, w, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype and torch.isfinite(out).all()
+    err = _error(out, ref)
+    assert err < tol, f"relative error {err:.2e} for {spec} at M={m}"
+    return prepared, out, (x, w, ids)
+
+
+SMALL = [
+    mo.MoESpec(8, 256, 128, 2, dtype=DTYPE),
+    mo.MoESpec(8, 200, 72, 2, dtype=DTYPE),  # sizes that no block divides
+    mo.MoESpec(16, 256, 128, 4, mo.Activation.situ(), dtype=DTYPE),
+    mo.MoESpec(8, 256, 128, 1, apply_router_weight_on_input=True, dtype=DTYPE),
+    mo.MoESpec(8, 256, 128, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, -1), dtype=DTYPE),
+    mo.MoESpec(8, 256, 128, 3, expert_map=(-1, 0, 1, -1, 2, 3, -1, 4), dtype=DTYPE),
+]
+
+
+@needs_device
+@pytest.mark.parametrize("spec", SMALL, ids=lambda s: f"E{s.num_experts}H{s.hidden_size}I{s.intermediate_size}"
+                         f"k{s.top_k}{s.activation.kind}{'-oninput' if s.apply_router_weight_on_input else ''}"
+                         f"{'-ep' if s.expert_map else ''}")
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])  # tiny (<= 16 routes, no sort) and sorted paths
+def test_small_layers_match_the_reference(spec, m):
+    _check(spec, m, tol=1e-2)
+
+
+@fp8_ok
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("m", [1, 7, 60])
+def test_fp8_w8a8_matches_the_reference(granularity, m):
+    spec = with_weights(mo.MoESpec(8, 384, 256, 2, mo.Activation.situ()), f"fp8-{granularity}")
+    _check(spec, m, tol=2e-2)
+
+
+@needs_device
+def test_align_sorts_every_route_once_into_padded_expert_blocks():
+    from moe_overlay.backends.triton_moe.launch import align
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 12, (300, 4), generator=gen, dtype=torch.int32).to(DEVICE)
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, -1, 7, 8], dtype=torch.int32, device=DEVICE)
+    a = align(ids, expert_map, 9, 16)
+    local = expert_map[ids.reshape(-1).long()].cpu()
+    counts = torch.bincount(local[local >= 0], minlength=9)
+    padded = (counts + 15) // 16 * 16
+    assert int(a.num_padded) == int(padded.sum())
+    sorted_routes, experts, rows = a.sorted_routes.cpu(), a.block_expert.cpu(), a.block_rows.cpu()
+    seen = []
+    for b in range(int(a.num_padded) // 16):
+        block = sorted_routes[b * 16 : b * 16 + int(rows[b])]
+        assert (local[block.long()] == experts[b]).all()
+        seen += block.tolist()
+    assert sorted(seen) == torch.nonzero(local >= 0).flatten().tolist()
+    assert experts[: int(a.num_padded) // 16].tolist() == sorted(experts[: int(a.num_padded) // 16].tolist())
+
+
+# -- the four models' per-GPU layers under TP8 (GPU only: big) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_weights():
+    cache = {}
+
+    def get(spec):
+        if spec not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            cache[spec] = random_weights(spec, "cuda", seed=0)
+        return cache[spec]
+
+    return get
+
+
+MODEL_POINTS = [(m.name, "bf16", t) for m in MODELS for t in TOKEN_COUNTS] + [
+    (name, "fp8-block", t) for name in FP8_MODELS for t in TOKEN_COUNTS]
+
+
+@needs_cuda
+@pytest.mark.parametrize(("name", "weights", "m"), MODEL_POINTS, ids=lambda v: str(v))
+def test_model_layers_match_the_reference(model_weights, name, weights, m):
+    spec = with_weights(next(x for x in MODELS if x.name == name).spec, weights)
+    tensors = model_weights(spec)
+    w, ids = random_routing(m, spec, "cuda", seed=m)
+    x = random_input(m, spec, "cuda", seed=m + 1)
+    ref = reference_moe(x, tensors["w13"], tensors["w2"], w, ids, spec.quant, spec.activation,
+                        spec.apply_router_weight_on_input, (tensors.get("w13_scale"), tensors.get("w2_scale")))
+    prepared = mo.PreparedExperts(spec, tensors, mo.get_backend("triton"))
+    prepared.prepare()
+    out = prepared.apply(x, w, ids)
+    assert torch.isfinite(out).all()
+    assert _error(out, ref) < (2e-2 if weights == "bf16" else 3e-2)
+
+
+# -- graphs, compile, op registration ---------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 64])
+def test_cuda_graph_replay_matches_eager_on_new_inputs(m):
+    spec = mo.MoESpec(16, 512, 256, 4, mo.Activation.situ())
+    prepared, _, (x, w, ids) = _check(spec, m, tol=1e-2)
+    static = [t.clone() for t in (x, w, ids)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prepared.apply(*static)
+    x2 = random_input(m, spec, "cuda", 9)
+    w2, ids2 = random_routing(m, spec, "cuda", 10)
+    for dst, src in zip(static, (x2, w2, ids2), strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, prepared.apply(x2, w2, ids2))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.gate = torch.nn.Linear(spec.hidden_size, spec.num_experts, bias=False, device="cuda", dtype=spec.dtype)
+        self.experts = mo.PreparedExperts(spec, random_weights(spec, "cuda", 0), mo.get_backend("triton"))
+        self.experts.prepare()
+        self.top_k = spec.top_k
+
+    def forward(self, x):
+        weights, ids = grouped_topk(self.gate(x), self.top_k, num_groups=4, topk_groups=2)
+        return x + self.experts.apply(x, weights, ids)
+
+
+@needs_cuda
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    block = _Block(mo.MoESpec(16, 256, 128, 4))
+    x = random_input(33, mo.MoESpec(16, 256, 128, 4), "cuda", 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(block, fullgraph=True)(x), block(x))
+
+
+@needs_cuda
+def test_custom_op_passes_opcheck():
+    spec = mo.MoESpec(8, 256, 128, 2)
+    t = random_weights(spec, "cuda", 0)
+    w, ids = random_routing(20, spec, "cuda", 1)
+    args = (random_input(20, spec, "cuda", 2), t["w13"], t["w2"], w, ids, None, None, None, "silu", [], False, "")
+    torch.library.opcheck(torch.ops.moe_overlay.triton_experts.default, args)
+
+
+@needs_cuda
+def test_selected_automatically_and_described_with_its_tuning_state():
+    platform = mo.Platform.of("cuda")
+    spec = MODELS[3].spec
+    selection = mo.select_backend(spec, platform)
+    if platform.vendor == "nvidia":
+        assert selection.backend.name == "triton"
+    prepared = mo.PreparedExperts(spec, empty_weights(spec, "cuda"), mo.select_backend(spec, platform, "triton"))
+    described = prepared.describe()
+    assert described["backend"] == "triton"
+    assert described["tuned"] == is_tuned(current_table(), torch.cuda.get_device_name(), LayerShape.of(spec))
+    assert mo.get_backend("triton").is_tuned(mo.MoESpec(8, 320, 96, 2), platform) is False
