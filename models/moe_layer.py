@@ -126,14 +126,14 @@ def _platform() -> mo.Platform:
     return mo.Platform.of(torch.device(current_platform.device_type))
 
 
-def _select(layer: RoutedExperts, upstream: FusedMoEMethodBase) -> tuple[mo.MoESpec | None, mo.Selection]:
+def _select(name: str, layer: RoutedExperts, upstream: FusedMoEMethodBase) -> tuple[mo.MoESpec | None, mo.Selection]:
     requested = os.environ.get(BACKEND_ENV, "auto") or "auto"
     strict = os.environ.get(STRICT_ENV, "0") == "1"
     try:
         spec = spec_from_layer(layer, upstream)
     except NotMapped as why:
         if strict and requested not in ("auto", VllmBackend.name):
-            raise mo.BackendUnavailableError(f"{layer.layer_name}: {why}; strict mode refuses vLLM's kernel") from None
+            raise mo.BackendUnavailableError(f"{name}: {why}; strict mode refuses vLLM's kernel") from None
         return None, mo.Selection(mo.get_backend(VllmBackend.name), f"{why}: vLLM's own kernel runs it")
     return spec, mo.select_backend(spec, _platform(), requested, strict)
 
@@ -224,7 +224,7 @@ class OverlayRoutedExperts(RoutedExperts):
         scope = _ACTIVE.get()
         if scope is None:
             return upstream
-        spec, selection = _select(self, upstream)
+        spec, selection = _select(prefix, self, upstream)
         record = LayerRecord(prefix, lambda: {})
         scope.layers.append(record)
         if spec is None or selection.backend.name == VllmBackend.name:

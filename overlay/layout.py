@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import LayoutMismatchError, SpecError
-from .spec import FP8_FORMATS, MoESpec
+from .quant import E8M0_BIAS
+from .spec import FP8_FORMATS, MXFP4_GROUP, MoESpec
 
 Tensors = dict[str, torch.Tensor]
 GATE_UP_ORDERS = ("gate_up", "up_gate", "interleaved")
@@ -33,6 +34,7 @@ class Layout:
     gate_up: str = "gate_up"
     shuffle: tuple[int, int] | None = None  # (N tile, K tile) of a tile shuffle, e.g. AITER's (16, 16)
     transposed: bool = False  # weights stored [E, K, N]; scales stay canonical
+    mx_scale_shuffle: bool = False  # mxfp4 e8m0 scales in 32-row x 8-group tiles (see shuffle_mx_scales)
 
     def __post_init__(self) -> None:
         if self.gate_up not in GATE_UP_ORDERS:
@@ -58,6 +60,8 @@ class Layout:
             parts.append(f"shuffle{self.shuffle[0]}x{self.shuffle[1]}")
         if self.transposed:
             parts.append("transposed")
+        if self.mx_scale_shuffle:
+            parts.append("mx-scale-shuffle")
         return "/".join(parts)
 
 
@@ -87,12 +91,12 @@ def _convert_fp8(t: Tensors, spec: MoESpec, target: str, inverse: bool) -> Tenso
     return out
 
 
-def _pad_rows(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor, dim: int, size: int, fill: int = 0) -> torch.Tensor:
     if x.shape[dim] == size:
         return x
     shape = list(x.shape)
     shape[dim] = size
-    out = x.new_zeros(shape)
+    out = x.new_full(shape, fill)
     out.narrow(dim, 0, x.shape[dim]).copy_(x)
     return out
 
@@ -192,6 +196,48 @@ def _shuffle(t: Tensors, tile: tuple[int, int] | None, inverse: bool) -> Tensors
     return {**t, "w13": fn(t["w13"], tile), "w2": fn(t["w2"], tile)}
 
 
+MX_SCALE_TILE = (32, 8)  # (rows, scale groups) of one tile of shuffled e8m0 scales
+
+
+def _mx_scale_view(shape: torch.Size) -> tuple[int, ...]:
+    e, n, groups = shape
+    rows, cols = MX_SCALE_TILE
+    if n % rows or groups % cols:
+        raise SpecError(f"mxfp4 scale shuffle needs rows % {rows} == 0 and groups % {cols} == 0; got {n}, {groups}")
+    return (e, n // rows, 2, rows // 2, groups // cols, 2, cols // 2)
+
+
+def shuffle_mx_scales(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales `[E, N, G]` -> tiles of 32 rows x 8 groups, each tile ordered by
+    (group % 4, row % 16, group quad, row half): the order AITER's a16w4 kernels read."""
+    return s.reshape(_mx_scale_view(s.shape)).permute(0, 1, 4, 6, 3, 5, 2).contiguous().view(s.shape)
+
+
+def unshuffle_mx_scales(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of `shuffle_mx_scales`."""
+    e, n1, _, lanes, g1, _, quad = _mx_scale_view(s.shape)
+    view = s.reshape(e, n1, g1, quad, lanes, 2, 2)
+    return view.permute(0, 1, 6, 4, 2, 5, 3).contiguous().view(s.shape)
+
+
+def _shuffle_mx(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
+    """Shuffle mxfp4 scales; the group count is padded to whole tiles with 2^0 (e8m0 127)."""
+    if not enabled:
+        return t
+    if spec.quant.weights != "mxfp4":
+        raise SpecError(f"mx scale shuffle applies to mxfp4 weights, not {spec.quant}")
+    out = dict(t)
+    for name, k in (("w13", spec.hidden_size), ("w2", spec.intermediate_size)):
+        groups = k // MXFP4_GROUP
+        s = t[f"{name}_scale"]
+        if inverse:
+            out[f"{name}_scale"] = unshuffle_mx_scales(s)[..., :groups].contiguous()
+        else:
+            padded = -(-groups // MX_SCALE_TILE[1]) * MX_SCALE_TILE[1]
+            out[f"{name}_scale"] = shuffle_mx_scales(_pad_rows(s, -1, padded, fill=E8M0_BIAS))
+    return out
+
+
 def _transpose(t: Tensors, enabled: bool) -> Tensors:
     if not enabled:
         return t
@@ -204,6 +250,7 @@ def _steps(spec: MoESpec, layout: Layout) -> list[Callable[[Tensors, bool], Tens
         lambda t, inv: _pad(t, spec, layout, inv),
         lambda t, inv: _reorder_gate_up(t, spec, layout.gate_up, inv),
         lambda t, inv: _shuffle(t, layout.shuffle, inv),
+        lambda t, inv: _shuffle_mx(t, spec, layout.mx_scale_shuffle, inv),
         lambda t, inv: _transpose(t, layout.transposed),
     ]
 

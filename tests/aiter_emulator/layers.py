@@ -1,0 +1,90 @@
+"""Small random MoE layers on every AITER path, and AITER backends driving an emulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import moe_overlay as mo
+from moe_overlay.backends.aiter_backend import AiterBackend
+from moe_overlay.quant import quantize_fp8, quantize_mxfp4
+
+from .emulator import AiterEmulator
+from .sources import AiterContract, installed_contract, main_contract
+
+FP8_TENSOR = mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
+FP8_TOKEN = mo.QuantSpec("fp8", "channel", activations="fp8_token")
+FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), activations="fp8_block")
+MXFP4 = mo.QuantSpec("mxfp4")
+
+
+@dataclass(frozen=True)
+class PathCase:
+    name: str
+    spec: mo.MoESpec
+    archs: tuple[str, ...]
+    contract: str  # "installed" or "main": the oldest AITER known to run it
+    tolerance: float  # max |aiter - torch| / max |torch|
+
+
+def _spec(quant=FP8_TENSOR, k=2, act=None, on_input=False, i=128, **kw) -> mo.MoESpec:
+    return mo.MoESpec(6, 256, i, k, act or mo.Activation.silu(), on_input, quant=quant, **kw)
+
+
+BOTH = ("gfx942", "gfx950")
+# fp8: both sides quantise activations, on grids that differ (e4m3fnuz on gfx942, per-tensor
+# scales over all tokens vs each expert's), so their fp8 errors do not cancel.
+PATH_CASES = [
+    PathCase("bf16-silu", _spec(mo.QuantSpec()), BOTH, "installed", 0.02),
+    PathCase("fp16-gelu-weight-on-input", _spec(mo.QuantSpec(), 1, mo.Activation.gelu(), True, dtype=torch.float16),
+             BOTH, "installed", 0.02),
+    PathCase("fp8-tensor", _spec(FP8_TENSOR), BOTH, "installed", 0.12),
+    PathCase("fp8-token-weight-on-input", _spec(FP8_TOKEN, 1, on_input=True), BOTH, "installed", 0.12),
+    PathCase("fp8-token-k4", _spec(FP8_TOKEN, 4), BOTH, "installed", 0.12),
+    PathCase("fp8-block", _spec(FP8_BLOCK, 3, i=256), BOTH, "installed", 0.12),
+    PathCase("mxfp4-situ", _spec(MXFP4, 4, mo.Activation.situ()), ("gfx950",), "main", 0.02),
+    PathCase("mxfp4-situ-kimi-w2-groups", _spec(MXFP4, 2, mo.Activation.situ(2.0, 10.0), i=384), ("gfx950",), "main",
+             0.02),
+]
+CONTRACTS = {"installed": installed_contract, "main": main_contract}
+
+
+def emulated_backend(arch: str, contract: AiterContract | str = "main") -> tuple[AiterBackend, AiterEmulator]:
+    if isinstance(contract, str):
+        contract = CONTRACTS[contract]()
+    emulator = AiterEmulator(arch, contract)
+    return AiterBackend(emulator), emulator
+
+
+def random_layer(spec: mo.MoESpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Canonical tensors for `spec`, as nn.Parameters (what a model holds)."""
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
+    dense = {"w13": torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+             "w2": torch.randn(e, h, i, generator=gen) / i**0.5}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in dense.items():
+        if spec.quant.weights == "fp8":
+            tensors[name], tensors[f"{name}_scale"] = quantize_fp8(w, spec.quant)
+        elif spec.quant.weights == "mxfp4":
+            tensors[name], tensors[f"{name}_scale"] = quantize_mxfp4(w)
+        else:
+            tensors[name] = w.to(spec.dtype)
+    return {k: torch.nn.Parameter(v, requires_grad=False) for k, v in tensors.items()}
+
+
+def random_batch(spec: mo.MoESpec, m: int = 13, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[: spec.top_k] for _ in range(m)]).int()
+    weights = torch.rand(m, spec.top_k, generator=gen)
+    return torch.randn(m, spec.hidden_size, generator=gen).to(spec.dtype), weights, ids
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def reference_output(spec: mo.MoESpec, tensors: dict[str, torch.Tensor], batch) -> torch.Tensor:
+    canonical = {k: v.detach().clone() for k, v in tensors.items()}
+    return mo.PreparedExperts(spec, canonical, mo.get_backend("torch")).apply(*batch)

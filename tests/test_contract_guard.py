@@ -1,0 +1,84 @@
+"""The contract guard against the installed vLLM: passes as installed, refuses drift by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import vllm
+from vllm.model_executor.custom_op import PluggableLayer
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+from moe_overlay.patches import ledger, plugin
+from moe_overlay.patches.contract import ContractDriftError, Expect
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-mixtral.yaml"
+
+
+def test_installed_vllm_matches_every_hook():
+    assert ledger.problems() == []
+    assert all(hook.why and hook.upstream_issue and hook.remove_when and hook.expects for hook in ledger.LEDGER)
+
+
+def test_missing_parameter_is_named(monkeypatch):
+    def drifted(self, prefix, quant_config):  # upstream dropped moe_config
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(RoutedExperts, "_get_quant_method", drifted)
+    with pytest.raises(ContractDriftError) as err:
+        ledger.check()
+    message = str(err.value)
+    assert "RoutedExperts._get_quant_method: expected parameters (self, prefix, quant_config, moe_config), " \
+           "found (self, prefix, quant_config)" in message
+    assert f"vLLM {vllm.__version__}" in message and "Refusing to start" in message
+
+
+def test_missing_symbol_is_named(monkeypatch):
+    monkeypatch.delattr(PluggableLayer, "register_oot")
+    with pytest.raises(ContractDriftError, match=r"PluggableLayer\.register_oot: expected to exist, found "
+                                                 r"'register_oot' is missing"):
+        ledger.check()
+
+
+def test_expect_tolerates_new_optional_parameters_only():
+    def grown(a, b, c=1):
+        return a
+
+    def stricter(a, b, c):
+        return a
+
+    here = f"{__name__}:"
+    globals().update(grown=grown, stricter=stricter)
+    assert Expect(here + "grown", ("a", "b")).problem() is None
+    assert "expected parameters (a, b), found (a, b, c)" in Expect(here + "stricter", ("a", "b")).problem()
+    assert "cannot be imported" in Expect("no_such_module_xyz:thing").problem()
+
+
+def test_plugin_refuses_to_install_on_drift(monkeypatch):
+    monkeypatch.setattr(RoutedExperts, "forward_modular", lambda self, x: x)
+    monkeypatch.setattr(plugin, "_installed_in_pid", None)
+    monkeypatch.delenv("MOE_OVERLAY_DISABLE", raising=False)
+    with pytest.raises(ContractDriftError, match=r"RoutedExperts\.forward_modular: expected parameters"):
+        plugin.register()
+
+
+def test_serve_refuses_drift_with_one_line(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+        def weight_loader(self, param, loaded_weight, weight_name, shard_id):  # expert_id gone
+            pass
+        RoutedExperts.weight_loader = weight_loader
+        from moe_overlay.cli import main
+        sys.exit(main(["serve", {str(CONFIG)!r}, "--port", "0"]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("moe-overlay serve")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "RoutedExperts.weight_loader: expected parameters (self, param, loaded_weight, weight_name, " \
+           "shard_id, expert_id, return_success), found (self, param, loaded_weight, weight_name, shard_id)" in lines[0]

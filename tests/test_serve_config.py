@@ -1,0 +1,135 @@
+"""Deployment YAML validation and `moe-overlay serve` bad input: one clear line, non-zero exit."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_overlay.serving.config import ConfigError, load
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-mixtral.yaml"
+
+
+def _write(tmp_path: Path, text: str, name: str = "deploy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _variant(tmp_path: Path, **sections) -> Path:
+    raw = yaml.safe_load(TINY.read_text())
+    for section, values in sections.items():
+        if values is None:
+            raw.pop(section, None)
+        else:
+            raw.setdefault(section, {}).update(values)
+    return _write(tmp_path, yaml.safe_dump(raw))
+
+
+def _serve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_overlay.cli", "serve", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("moe-overlay serve: error: ")
+    return lines[0]
+
+
+def test_tiny_config_resolves(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_OVERLAY_VAR", str(tmp_path / "var"))
+    dep = load(TINY)
+    assert dep.builtin == "tiny-mixtral" and dep.model == str(tmp_path / "var" / "models" / "tiny-mixtral")
+    argv = dep.argv("python")
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
+    env = dep.environment(tmp_path / "var")
+    assert env["MOE_OVERLAY_BACKEND"] == "torch" and env["MOE_OVERLAY_STRICT"] == "1"
+    assert env["VLLM_PLUGINS"] == "moe_overlay,moe_overlay_endpoint" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+@pytest.mark.parametrize(
+    "sections,message",
+    [
+        ({"moe": {"backend": "cuda"}}, r"moe\.backend: 'cuda' is not one of auto, torch, vllm, aiter, triton"),
+        ({"moe": {"strict": "yes"}}, r"moe\.strict: must be true or false, got 'yes'"),
+        ({"parallel": {"tensor": 0}}, r"parallel\.tensor: must be at least 1, got 0"),
+        ({"parallel": {"gpus": 2}}, r"parallel\.gpus: unknown key \(known: tensor, pipeline, data, expert\)"),
+        ({"server": {"port": 70000}}, r"server\.port: 70000 is not a TCP port"),
+        ({"model": {"dtype": "fp8"}}, r"model\.dtype: 'fp8' is not one of"),
+        ({"model": {"path": "builtin:huge"}}, r"model\.path: 'builtin:huge': no embedded model 'huge'"),
+        ({"model": {"path": None}}, r"model\.path: is required"),
+        ({"vllm": {"port": 9}}, r"vllm\.port: set it as server\.port instead"),
+        ({"vllm": {"tensor_parallel_size": 2}}, r"vllm\.tensor_parallel_size: set it as parallel\.tensor instead"),
+        ({"env": {"MOE_OVERLAY_BACKEND": "vllm"}}, r"env\.MOE_OVERLAY_BACKEND: is set by moe-overlay itself"),
+        ({"env": {"VLLM_ROCM_USE_AITER_MOE": 1}},
+         r"env\.VLLM_ROCM_USE_AITER_MOE: has no effect unless VLLM_ROCM_USE_AITER=1 is set too"),
+        ({"env": {"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_MOE": 1}},
+         r"env\.VLLM_ROCM_USE_AITER_MOE: conflicts with moe\.backend=torch"),
+        ({"env": {"VLLM_PLUGINS": "x"}}, r"env\.VLLM_PLUGINS: is set by moe-overlay"),
+        ({"env": {"A": [1]}}, r"env\.A: must be a string or number, got \[1\]"),
+        ({"accuracy": {"gsm8k": 0.9}}, r"accuracy: unknown section"),
+    ],
+)
+def test_bad_config_names_file_key_and_value(tmp_path, sections, message):
+    path = _variant(tmp_path, **sections)
+    with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+        load(path)
+
+
+def test_vllm_backend_keeps_upstream_aiter_switches(tmp_path):
+    path = _variant(tmp_path, moe={"backend": "vllm"}, env={"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_MOE": 1})
+    assert load(path).env["VLLM_ROCM_USE_AITER_MOE"] == "1"
+
+
+def test_flags_and_relative_model_paths(tmp_path):
+    (tmp_path / "weights").mkdir()
+    path = _variant(tmp_path, model={"path": "weights", "name": None}, vllm={"enable_prefix_caching": False, "seed": 3})
+    dep = load(path)
+    assert dep.model == str(tmp_path / "weights") and dep.name == "weights"
+    flags = dep.extra_flags
+    assert "--no-enable-prefix-caching" in flags and flags[flags.index("--seed") + 1] == "3"
+
+
+def test_dry_run_prints_the_resolved_command(tmp_path):
+    result = _serve(str(TINY), "--dry-run", "--port", "8123", "--backend", "vllm", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "MOE_OVERLAY_BACKEND=vllm" in result.stdout and "--port 8123" in result.stdout
+    assert "vllm.entrypoints.launchers.api_server.entry" in result.stdout
+    assert not (tmp_path / "var").exists()  # a dry run builds nothing
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda d: str(d / "missing.yaml"), r"missing\.yaml: config file not found"),
+        (lambda d: str(_write(d, "model:\n  path: [unclosed\n")), r"deploy\.yaml: YAML syntax error: line \d+"),
+        (lambda d: str(_write(d, "model:\n  path: builtin:tiny-mixtral\nmodle: {}\n")),
+         r"deploy\.yaml: modle: unknown section"),
+        (lambda d: str(_write(d, "model:\n  path: /nonexistent/weights\n")),
+         r"model\.path: '/nonexistent/weights': /nonexistent/weights does not exist"),
+    ],
+)
+def test_serve_bad_input_is_one_line(tmp_path, make, expected):
+    line = _one_error_line(_serve(make(tmp_path), cwd=tmp_path))
+    assert re.search(expected, line), line
+
+
+def test_serve_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = _one_error_line(_serve(str(TINY), "--port", str(port), cwd=tmp_path))
+    assert f"cannot listen on 127.0.0.1:{port}" in line
