@@ -12,7 +12,7 @@ CONFIG ?= configs/tiny-mixtral.yaml
 PORT ?=
 HOST ?=
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean bench-cpu
 
 $(PY):
 	@echo "==> creating $(VENV)"
@@ -39,6 +39,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# Tokens/s of the tiny model: overlay (backend torch, backend vllm) against stock vLLM, same run.
+bench-cpu: install
+	$(PY) -m moe_overlay.serving.bench_cpu --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
