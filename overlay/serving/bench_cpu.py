@@ -1,7 +1,8 @@
 """`make bench-cpu`: decode throughput of the served tiny model, overlay vs stock vLLM, one run.
 
-Each variant gets its own server on loopback (one at a time: the CPU lane has 2 cores);
-the same fixed workload is repeated and the ratios to stock are printed with their spread.
+Each variant gets its own server on loopback; all are up together and the repeats are
+interleaved (stock, vllm, torch, stock, ...) so machine drift hits every variant alike.
+The same fixed workload is timed and the ratios to stock are printed with their spread.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 from .builtin_models import ensure_builtin
@@ -53,15 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     if deployment.builtin:
         ensure_builtin(deployment.builtin)
     logs = Path(tempfile.mkdtemp(prefix="moe-overlay-bench-"))
-    results: dict[str, list[float]] = {}
-    for i, (name, (env, extra)) in enumerate(VARIANTS.items(), 1):
-        print(f"[{i}/{len(VARIANTS)}] {name}: starting server (log {logs / f'{i}.log'})", flush=True)
-        with serve(args.config, logs / f"{i}.log", env, extra) as server:
-            _workload(server, deployment.name, args.requests, 8)  # warm-up
-            results[name] = []
-            for r in range(args.repeats):
+    results: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with ExitStack() as stack:
+        servers = {}
+        for i, (name, (env, extra)) in enumerate(VARIANTS.items(), 1):
+            print(f"[{i}/{len(VARIANTS)}] starting {name} (log {logs / f'{i}.log'})", flush=True)
+            servers[name] = stack.enter_context(serve(args.config, logs / f"{i}.log", env, extra))
+            _workload(servers[name], deployment.name, args.requests, 8)  # warm-up
+        for r in range(args.repeats):
+            for name, server in servers.items():
                 results[name].append(_workload(server, deployment.name, args.requests, args.tokens))
-                print(f"      repeat {r + 1}/{args.repeats}: {results[name][-1]:.1f} tok/s", flush=True)
+            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in results.items()),
+                  flush=True)
     stock = statistics.median(results["stock vLLM"])
     print(f"\n{args.requests} concurrent requests x {args.tokens} tokens, {args.repeats} repeats, "
           f"model {deployment.name} ({deployment.dtype}), config {args.config}")
