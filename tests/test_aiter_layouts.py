@@ -4,11 +4,10 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends.aiter_backend import AiterBackend
 from moe_overlay.backends.aiter_capability import ARCHS
 from moe_overlay.layout import shuffle_mx_scales, shuffle_tiles, to_canonical, to_layout
 from moe_overlay.quant import E8M0_BIAS, dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
-from tests.aiter_emulator import AiterEmulator, installed_contract, main_contract
+from tests.aiter_emulator.layers import emulated_backend
 from tests.aiter_emulator.reference import aiter_reference
 
 REF = aiter_reference("gfx950")
@@ -54,7 +53,7 @@ def test_mx_scale_padding_is_aiter_mains():
     spec = mo.MoESpec(2, 256, 384, 2, mo.Activation.situ(), quant=mo.QuantSpec("mxfp4"))
     w13, s13 = quantize_mxfp4(torch.randn(2, 768, 256, generator=GEN))
     w2, s2 = quantize_mxfp4(torch.randn(2, 256, 384, generator=GEN))
-    layout = AiterBackend(AiterEmulator("gfx950", main_contract())).plan(spec).layout
+    layout = emulated_backend("gfx950")[0].plan(spec).layout
     out = to_layout({"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}, spec, layout)
     padded = torch.cat([s2, torch.full((2, 256, 4), E8M0_BIAS, dtype=torch.uint8)], dim=-1)
     assert _same_bits(out["w2_scale"].view(-1, 16), REF.shuffle.shuffle_scale_a16w4(padded.view(-1, 16), 2, False))
@@ -75,7 +74,7 @@ def test_fnuz_conversion_keeps_every_e4m3fn_value():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     tensors = {"w13": codes.repeat(8).view(1, 64, 32), "w2": codes.repeat(4).view(1, 32, 32),
                "w13_scale": torch.tensor([0.75]), "w2_scale": torch.tensor([1.5])}
-    layout = AiterBackend(AiterEmulator("gfx942", installed_contract())).plan(spec).layout
+    layout = emulated_backend("gfx942", "installed")[0].plan(spec).layout
     assert layout.fp8_format == "e4m3fnuz"
     out = to_layout(tensors, spec, mo.Layout("fnuz-only", fp8_format=layout.fp8_format))  # unshuffled, to compare
     assert out["w13"].dtype == aiter_reference("gfx942").dtypes.fp8

@@ -10,6 +10,7 @@ import torch
 import moe_overlay as mo
 from moe_overlay import backend as registry
 from moe_overlay.backends import aiter_ops
+from moe_overlay.backends.aiter_backend import AiterBackend
 from moe_overlay.backends.aiter_capability import PATHS
 from tests.aiter_emulator import installed_contract
 from tests.aiter_emulator.layers import FP8_BLOCK, FP8_TENSOR, FP8_TOKEN, MXFP4, emulated_backend
@@ -20,12 +21,7 @@ KIMI = mo.MoESpec(8, 256, 128, 4, mo.Activation.situ(), quant=MXFP4)
 
 
 def _reason(spec, arch="gfx942", contract="main", env=None):
-    backend, _ = emulated_backend(arch, contract)
-    if env is not None:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            return backend.unsupported_reason(spec, mo.Platform("cuda", "amd", arch))
+    backend, _ = emulated_backend(arch, contract, env)
     return backend.unsupported_reason(spec, mo.Platform("cuda", "amd", arch))
 
 
@@ -85,8 +81,14 @@ def test_rejections_name_their_reason(spec, arch, contract, reason):
 def test_situ_activation_switches_are_refused():
     why = _reason(KIMI, "gfx950", env={"AITER_SITUV2_A4W4": "1"})
     assert why == ("AITER_SITUV2_A4W4=1 makes AITER quantise SiTU activations, which this weight-only layer does "
-                   "not describe; unset it")
+                   "not describe; unset it (vLLM sets it unless VLLM_ROCM_USE_AITER_MOE_SITUV2=a16w4)")
     assert _reason(KIMI, "gfx950", env={"AITER_SITUV2_A4W4": "0"}) is None
+
+
+def test_the_backend_reads_the_process_environment_by_default(monkeypatch):
+    monkeypatch.setenv("AITER_SITUV2_A8W4", "1")
+    backend = AiterBackend(emulated_backend("gfx950")[1])
+    assert backend.unsupported_reason(KIMI, GFX950).startswith("AITER_SITUV2_A8W4=1 makes AITER quantise")
 
 
 def test_other_platforms_are_told_why():

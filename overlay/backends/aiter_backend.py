@@ -26,9 +26,11 @@ class AiterBackend(Backend):
     name = "aiter"
     priority = 100
 
-    def __init__(self, ops: AiterOps | None = None) -> None:
-        """`ops`: the AITER to drive; by default the installed one, loaded on first need."""
+    def __init__(self, ops: AiterOps | None = None, env: Mapping[str, str] | None = None) -> None:
+        """`ops`: the AITER to drive, by default the installed one (loaded on first need);
+        `env`: the environment that AITER reads its switches from, by default the process's."""
         self.ops_key = bind_ops(ops) if ops is not None else RocmAiter.key
+        self.env = os.environ if env is None else env
         self._plans: dict[MoESpec, AiterPlan] = {}
 
     @property
@@ -39,7 +41,7 @@ class AiterBackend(Backend):
         """How `spec` runs on this AITER; BackendUnavailableError says why it cannot."""
         if spec not in self._plans:
             ops = self.ops
-            self._plans[spec] = aiter_plan(spec, ops.arch, ops.features, os.environ)
+            self._plans[spec] = aiter_plan(spec, ops.arch, ops.features, self.env)
         return self._plans[spec]
 
     def unsupported_reason(self, spec: MoESpec, platform: Platform) -> str | None:

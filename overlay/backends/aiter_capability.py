@@ -30,6 +30,7 @@ ACTIVATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
 ACTIVATION_KEYWORDS = dict(ACTIVATIONS.values())  # AITER ActivationType member -> its fused_moe keywords
 
 # Set to 1, these make AITER quantise SiTU's activations (a8w4 / a4w4): not the layer we describe.
+# vLLM sets AITER_SITUV2_A4W4=1 when it is imported, unless VLLM_ROCM_USE_AITER_MOE_SITUV2=a16w4.
 SITU_ACTIVATION_SWITCHES = ("AITER_SITUV2_A8W4", "AITER_SITUV2_A4W4")
 
 
@@ -164,8 +165,9 @@ def _check_options(spec: MoESpec, path: AiterPath, features: AiterFeatures, env:
             f"{spec.activation.kind} needs; a newer AITER has it (docs/aiter.md)")
     switched = [s for s in SITU_ACTIVATION_SWITCHES if spec.activation.kind == "situ" and env.get(s, "0") == "1"]
     if switched:
-        raise BackendUnavailableError(f"{switched[0]}=1 makes AITER quantise SiTU activations, which this "
-                                      "weight-only layer does not describe; unset it")
+        raise BackendUnavailableError(
+            f"{switched[0]}=1 makes AITER quantise SiTU activations, which this weight-only layer does not "
+            "describe; unset it (vLLM sets it unless VLLM_ROCM_USE_AITER_MOE_SITUV2=a16w4)")
 
 
 def aiter_plan(spec: MoESpec, arch: str | None, features: AiterFeatures, env: Mapping[str, str]) -> AiterPlan:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,10 +66,12 @@ def situv2(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float
 
 
 class AiterEmulator:
-    """AITER `contract` (a version's signatures and enums) on GPU `arch`, emulated on CPU."""
+    """AITER `contract` (a version's signatures and enums) on GPU `arch`, emulated on CPU, in
+    environment `env` (AITER reads switches from the process environment at each call)."""
 
-    def __init__(self, arch: str, contract: AiterContract) -> None:
+    def __init__(self, arch: str, contract: AiterContract, env: Mapping[str, str] | None = None) -> None:
         self.arch = arch
+        self.env = {} if env is None else env
         self.contract = contract
         self.key = f"aiter-emulator:{contract.version}:{arch}"
         self.features = contract.features()
@@ -154,8 +156,10 @@ class AiterEmulator:
         """AITER main's a16w4 path (bf16 activations x mxfp4 weights), which it runs for SiTU only,
         on weights and scales in its a16w4 shuffles."""
         dtypes = self.ref.dtypes
-        if act != "Situv2":
-            raise NotImplementedError(f"AITER quantises {act} activations for mxfp4 (a4w4); the emulator models a16w4")
+        switched = [k for k in ("AITER_SITUV2_A8W4", "AITER_SITUV2_A4W4") if self.env.get(k) == "1"]
+        if act != "Situv2" or switched:
+            raise NotImplementedError(f"AITER quantises these {act} activations ({switched or 'a4w4'}); "
+                                      "the emulator models a16w4")
         if not shuffled or expert_mask is not None or doweight_stage1:
             raise NotImplementedError("a16w4 SiTUv2 is not supported: non-preshuffled weights, expert-parallel "
                                       "masking or doweight_stage1=True")

@@ -50,11 +50,14 @@ PATH_CASES = [
 CONTRACTS = {"installed": installed_contract, "main": main_contract}
 
 
-def emulated_backend(arch: str, contract: AiterContract | str = "main") -> tuple[AiterBackend, AiterEmulator]:
+def emulated_backend(arch: str, contract: AiterContract | str = "main",
+                     env: dict[str, str] | None = None) -> tuple[AiterBackend, AiterEmulator]:
+    """An AITER backend on an emulated `arch`, both in `env` (default: none of AITER's switches,
+    whatever this process has: importing vLLM sets AITER_SITUV2_A4W4=1)."""
     if isinstance(contract, str):
         contract = CONTRACTS[contract]()
-    emulator = AiterEmulator(arch, contract)
-    return AiterBackend(emulator), emulator
+    emulator = AiterEmulator(arch, contract, env or {})
+    return AiterBackend(emulator, env or {}), emulator
 
 
 def random_layer(spec: mo.MoESpec, seed: int = 0) -> dict[str, torch.Tensor]:
