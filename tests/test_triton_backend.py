@@ -195,6 +195,15 @@ def test_bad_config_files_are_named(tmp_path):
         configs.read_file(tmp_path / "broken.json")
 
 
+def test_shipped_config_files_load_and_cover_the_four_models():
+    files = sorted(configs.SHIPPED_DIR.glob("*.json"))
+    table = configs.load_table(files)
+    assert files, "no shipped Triton launch configs"
+    for device, shapes in table.items():
+        keys = {configs.LayerShape.of(m.spec).key for m in MODELS}
+        assert keys <= set(shapes), f"{device} lacks tuned entries for {keys - set(shapes)}"
+
+
 # -- the tuner's plan ---------------------------------------------------------------------------
 
 

@@ -33,11 +33,19 @@ MATMUL_SIZE = 8192
 
 
 def measure_bandwidth() -> float:
-    """HBM bytes/s of a device-to-device copy, counting bytes read and bytes written."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda").random_()
+    """HBM bytes/s of a device-to-device copy, counting bytes read and bytes written. Timed
+    eagerly: captured in a graph, the copy becomes a memcpy node that ran at ~2.8 TB/s on
+    an H200, against ~4.3 for the same copy launched from the stream."""
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    seconds = graph_replay_seconds(lambda: dst.copy_(src), replays=20)
-    return 2 * COPY_BYTES / seconds
+    dst.copy_(src)
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for start, end in marks:
+        start.record()
+        dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize()
+    return 2 * COPY_BYTES / (statistics.median(start.elapsed_time(end) for start, end in marks) / 1e3)
 
 
 def measure_matrix_rate() -> float:

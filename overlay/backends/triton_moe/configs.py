@@ -36,6 +36,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     group_m: int = 1
+    split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def is_tiny(num_tokens: int, top_k: int) -> bool:
 def default_config(shape: LayerShape, num_tokens: int) -> LaunchConfig:
     """A sane launch for any shape: block sizes from the routes each expert gets."""
     if is_tiny(num_tokens, shape.top_k):
-        return LaunchConfig(TINY_ROUTES, KernelConfig(32, 128, 4, 4), KernelConfig(32, 128, 4, 2))
+        return LaunchConfig(TINY_ROUTES, KernelConfig(16, 256, 4, 4, split_k=2), KernelConfig(16, 64, 4, 2))
     per_expert = num_tokens * shape.top_k / shape.experts
     block_m = next((b for b in (16, 32, 64) if per_expert <= 2 * b), 128)
     if block_m <= 32:  # weight streaming: narrow tiles, many programs, deep pipelines

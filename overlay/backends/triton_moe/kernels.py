@@ -31,17 +31,14 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation
 # Arguments that change with the number of tokens are not specialised on, so one compiled
 # kernel serves every batch size.
 @triton.jit(do_not_specialize=["num_routes"])
-def align_kernel(
-    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, cursor_ptr,
+def align_count_kernel(
+    ids_ptr, map_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, cursor_ptr,
     num_routes,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program: counting sort of the routes by local expert, each expert padded to BLOCK_M.
-
-    Writes the route ids in expert order (`sorted`), each block's expert and valid row count,
-    and the padded total. Order within an expert comes from atomics and may differ between
-    runs; each output row is computed on its own, so results do not.
-    """
+    """One program, first half of a counting sort of the routes by local expert, each expert
+    padded to BLOCK_M: counts, each block's expert and valid rows, the padded total, and
+    each expert's first sorted slot (`cursor`, which align_scatter_kernel advances)."""
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_routes, CHUNK):
@@ -59,13 +56,20 @@ def align_kernel(
         tl.store(block_expert_ptr + first_block + j, experts, mask=here)
         rows = tl.minimum(tl.maximum(counts - j * BLOCK_M, 0), BLOCK_M)
         tl.store(block_rows_ptr + first_block + j, rows, mask=here)
-    tl.debug_barrier()  # the cursors written above are read by the atomics below
-    for start in range(0, num_routes, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
-        valid = local >= 0
-        slot = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
-        tl.store(sorted_ptr + slot, offs, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_routes"])
+def align_scatter_kernel(
+    ids_ptr, map_ptr, sorted_ptr, cursor_ptr, num_routes, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Second half, one program per CHUNK routes: each route takes the next slot of its
+    expert. Order within an expert depends on the atomics and may differ between runs;
+    each output row is computed on its own, so results do not."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+    valid = local >= 0
+    slot = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
+    tl.store(sorted_ptr + slot, offs, mask=valid)
 
 
 @triton.jit
@@ -146,19 +150,29 @@ def _tanh(x):
     return 2.0 * _sigmoid(2.0 * x) - 1.0
 
 
+@triton.jit
+def _activate(gate, up, beta, linear_beta, ACTIVATION: tl.constexpr):
+    """SiLU(g) * u, or Kimi-K3's SiTU: beta*tanh(g/beta)*sigmoid(g) * betaL*tanh(u/betaL); fp32."""
+    if ACTIVATION == SITU:
+        return beta * _tanh(gate / beta) * _sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+    return gate * _sigmoid(gate) * up
+
+
 @triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
 def gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_routes, num_blocks_m, inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     beta, linear_beta,
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
-    columns of I; `w` is `[E, 2I, H]` (gate rows, then up rows)."""
+    columns of I; `w` is `[E, 2I, H]` (gate rows, then up rows). Tiny mode splits K over
+    program_id(1) (a single expert's GEMV needs more programs than its N tiles give) and
+    stores fp32 gate and up partials, `out[split, route, 2I]`, for the down kernel."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if TINY:
         expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M)
@@ -178,7 +192,13 @@ def gate_up_kernel(
     up_scale_ptrs = scale_base + ((offs_n + inter) // SCALE_BLOCK) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+    k_steps = tl.cdiv(hidden, BLOCK_K)
+    per_split = tl.cdiv(k_steps, tl.num_programs(1))
+    k_first = tl.program_id(1) * per_split
+    a_ptrs += k_first * BLOCK_K
+    gate_ptrs += k_first * BLOCK_K
+    up_ptrs += k_first * BLOCK_K
+    for k in range(k_first, tl.minimum(k_first + per_split, k_steps)):
         k_ok = offs_k < hidden - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -201,12 +221,15 @@ def gate_up_kernel(
         route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
         acc_gate *= route_weight
         acc_up *= route_weight
-    if ACTIVATION == SITU:
-        out = beta * _tanh(acc_gate / beta) * _sigmoid(acc_gate) * (linear_beta * _tanh(acc_up / linear_beta))
+    store_mask = rows[:, None] & n_ok[None, :]
+    if TINY:  # fp32 partial sums over this program's share of K; down_tiny_kernel adds them up
+        out_ptrs = out_ptr + tl.program_id(1) * stride_os + buffer_rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc_gate, mask=store_mask)
+        tl.store(out_ptrs + inter, acc_up, mask=store_mask)
     else:
-        out = acc_gate * _sigmoid(acc_gate) * acc_up
-    out_ptrs = out_ptr + buffer_rows[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+        out = _activate(acc_gate, acc_up, beta, linear_beta, ACTIVATION)
+        out_ptrs = out_ptr + buffer_rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_blocks_m"])
@@ -262,47 +285,58 @@ def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.co
 
 @triton.jit
 def down_tiny_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
-    hidden, inter, top_k,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
+    partial_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    hidden, inter, top_k, num_splits,
+    stride_ps, stride_pr, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    beta, linear_beta,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
 ):
-    """Tiny mode: out[t, n] = sum_j w_tj * (a[t*k+j] @ w2[e_tj]^T), a matrix-vector product
-    per route that also does the top-k reduction, so no route buffer and no extra launch."""
+    """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
+    products for all k routes of token t at once (their weight tiles load together), the
+    activation of the summed gate/up partials on the fly, and the top-k sum: no route
+    buffer, no extra launch."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, K_PAD)
     n_ok = offs_n < hidden
-    route_ids = token * top_k + offs_j
-    local = _local_expert(ids_ptr, map_ptr, route_ids, offs_j < top_k, HAS_MAP)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, top_k):
-        route = token * top_k + j
-        expert = tl.sum(tl.where(offs_j == j, local, 0), 0)
-        here = expert >= 0
-        w_rows = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-        scale_base = scale_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < inter
-            a = tl.load(a_ptr + route * stride_am + offs_k, mask=k_ok & here, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :] & here, other=0.0)
-            w = w.to(tl.float32)
-            if W_QUANT != W_NONE:  # what the w8a8 GEMM computes: quantise-dequantise the input
-                q, a_scale = _quantize_rows(a[None, :], FP8, FP8_MAX)
-                a = q.to(tl.float32).reshape([BLOCK_K]) * tl.sum(a_scale, 0)
-            if W_QUANT == W_BLOCK:
-                w *= tl.load(scale_base + (offs_n // SCALE_BLOCK) * stride_sn + k, mask=n_ok & here, other=0.0)[:, None]
-            part += tl.sum(w * a[None, :], axis=1)
-        part = _scale_down_columns(part[None, :], scale_base, offs_n, n_ok & here, stride_sn, W_QUANT)
-        part = part.reshape([BLOCK_N])
-        if not WEIGHT_ON_INPUT:
-            part *= tl.load(topk_weights_ptr + route)
-        acc += tl.where(here, part, 0.0)
-    tl.store(out_ptr + token * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    routes = token * top_k + offs_j
+    local = _local_expert(ids_ptr, map_ptr, routes, offs_j < top_k, HAS_MAP)
+    here = local >= 0
+    experts = tl.maximum(local, 0).to(tl.int64)
+    w_rows = w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn  # [K_PAD, BLOCK_N, 1]
+    w_ok = here[:, None, None] & n_ok[None, :, None]
+    scale_base = scale_ptr + experts * stride_se  # [K_PAD]
+    acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        a_ok = here[:, None] & (offs_k < inter)[None, :]
+        a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
+        gate = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+        up = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
+        for split in range(0, num_splits):
+            gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
+            up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
+        a = _activate(gate, up, beta, linear_beta, ACTIVATION)
+        if W_QUANT != W_NONE:  # what the w8a8 GEMM computes: quantise-dequantise the input
+            q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+            a = q.to(tl.float32) * a_scale[:, None]
+        w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+        w = w.to(tl.float32)
+        if W_QUANT == W_BLOCK:
+            block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
+            w *= tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)[:, :, None]
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    if W_QUANT == W_TENSOR:
+        acc *= tl.load(scale_base, mask=here, other=0.0)[:, None]
+    if W_QUANT == W_CHANNEL:
+        acc *= tl.load(scale_base[:, None] + offs_n[None, :] * stride_sn, mask=here[:, None] & n_ok[None, :],
+                       other=0.0)
+    if not WEIGHT_ON_INPUT:
+        acc *= tl.load(topk_weights_ptr + routes, mask=here, other=0.0)[:, None]
+    out = tl.sum(tl.where(here[:, None], acc, 0.0), axis=0)
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit

@@ -23,7 +23,8 @@ from .configs import TINY_ROUTES, LaunchConfig, LayerShape, current_table, is_ti
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
-ALIGN_CHUNK = 2048
+ALIGN_COUNT_CHUNK = 4096
+ALIGN_SCATTER_CHUNK = 1024
 REDUCE_BLOCK_H = 1024
 
 
@@ -107,11 +108,16 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     e_pad = triton.next_power_of_2(num_local)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
+    emap = ids if expert_map is None else expert_map
     _launch(
-        kernels.align_kernel, (1,),
-        ids, ids if expert_map is None else expert_map, out.sorted_routes, out.block_expert, out.block_rows,
-        out.num_padded, cursor, routes,
-        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=8,
+        kernels.align_count_kernel, (1,),
+        ids, emap, out.block_expert, out.block_rows, out.num_padded, cursor, routes,
+        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_COUNT_CHUNK, num_warps=16,
+    )
+    _launch(
+        kernels.align_scatter_kernel, (triton.cdiv(routes, ALIGN_SCATTER_CHUNK),),
+        ids, emap, out.sorted_routes, cursor, routes,
+        HAS_MAP=expert_map is not None, CHUNK=ALIGN_SCATTER_CHUNK, num_warps=4,
     )
     return out
 
@@ -129,7 +135,8 @@ def gate_up(
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
     layer: Layer, config: LaunchConfig, out: torch.Tensor,
 ) -> None:
-    """act(x @ w13^T) into `out`: rows by padded sorted position, or by route when tiny."""
+    """act(x @ w13^T) into `out` by padded sorted position; when tiny (no alignment), fp32
+    gate/up partial sums `[split_k, routes, 2I]` instead (down_tiny applies the activation)."""
     cfg = config.gate_up
     inter = layer.shape.inter
     ids = topk_ids.reshape(-1)
@@ -139,12 +146,12 @@ def gate_up(
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
-    grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
+    grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
     _launch(
         kernels.gate_up_kernel, grid,
         x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
         ids.numel(), num_blocks, inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2), out.stride(0),
         layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
@@ -176,11 +183,11 @@ def down(
 
 
 def down_tiny(
-    a: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    partials: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
     out: torch.Tensor,
 ) -> None:
-    """Tiny mode: the down projection and the top-k sum straight into `out` `[M, H]`."""
+    """Tiny mode: activation, down projection and top-k sum straight into `out` `[M, H]`."""
     cfg = config.down
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
@@ -188,10 +195,11 @@ def down_tiny(
     grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n))
     _launch(
         kernels.down_tiny_kernel, grid,
-        a, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
-        layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
-        a.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
-        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        partials, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        layer.shape.hidden, layer.shape.inter, layer.shape.top_k, partials.shape[0],
+        partials.stride(0), partials.stride(1), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        layer.beta, layer.linear_beta,
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
         W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -231,9 +239,10 @@ def fused_experts(
     hidden, inter = layer.shape.hidden, layer.shape.inter
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if is_tiny(num_tokens, top_k):
-        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, act)
-        down_tiny(act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
+        partials = torch.empty(config.gate_up.split_k, num_tokens * top_k, 2 * inter, dtype=torch.float32,
+                               device=x.device)
+        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, partials)
+        down_tiny(partials, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
         return out
     alignment = align(topk_ids, expert_map, layer.shape.experts, config.block_m)
     act = torch.empty(alignment.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from .problems import MODELS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 
 ROUTINGS = 4  # routings per point, run back to back, so that weights come from HBM, not L2
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
+MAX_SPLIT_K = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +95,19 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
     return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
 
 
-def down_tiny_candidates(fp8: bool) -> list[KernelConfig]:
-    """The tiny down kernel is a matrix-vector product: no tensor cores, no pipelining."""
+def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
+    """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy."""
     block_ks = (128,) if fp8 else (128, 256)
-    return [KernelConfig(n, k, w, 2) for n in (16, 32, 64) for k in block_ks for w in (2, 4)
-            if n * k // (32 * w) <= REG_BUDGET]
+    grid = [KernelConfig(n, k, 4, 4, split_k=s) for n in (16, 32, 64) for k in block_ks for s in (1, 2, MAX_SPLIT_K)]
+    return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
+
+
+def down_tiny_candidates(fp8: bool, top_k: int) -> list[KernelConfig]:
+    """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] tiles in registers."""
+    block_ks = (128,) if fp8 else (32, 64, 128)
+    k_pad = 1 << (top_k - 1).bit_length()
+    return [KernelConfig(n, k, w, 2) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
+            if k_pad * n * k // (32 * w) <= REG_BUDGET]
 
 
 @dataclass(frozen=True)
@@ -110,11 +120,11 @@ class Candidates:
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8 = point.shape.fp8
     tiny = is_tiny(point.tokens, point.spec.top_k)
-    out = []
-    for block_m in block_m_candidates(point.shape, point.tokens):
-        downs = down_tiny_candidates(fp8) if tiny else gemm_candidates(block_m, fp8, 1, smem_bytes)
-        out.append(Candidates(block_m, gemm_candidates(block_m, fp8, 2, smem_bytes), downs))
-    return out
+    if tiny:
+        return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
+                           down_tiny_candidates(fp8, point.spec.top_k))]
+    return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes), gemm_candidates(b, fp8, 1, smem_bytes))
+            for b in block_m_candidates(point.shape, point.tokens)]
 
 
 # -- running the kernels of one candidate ---------------------------------------------------
@@ -140,31 +150,35 @@ class Problem:
                                      spec.apply_router_weight_on_input, spec.quant.granularity)
         self.tiny = is_tiny(point.tokens, spec.top_k)
 
-    def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig], None]]:
-        """(run gate/up with a config, run down with a config) over every routing."""
+    def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig, int], None]]:
+        """(run gate/up with a config, run down with a config after gate/up split K that many
+        ways), each over every routing."""
         import torch
 
         from . import launch
 
         t, spec, layer = self.tensors, self.point.spec, self.layer
-        inter, hidden = spec.intermediate_size, spec.hidden_size
+        inter, hidden, routes = spec.intermediate_size, spec.hidden_size, self.point.tokens * spec.top_k
         aligns = [None if self.tiny else launch.align(ids, None, spec.num_local_experts, block_m)
                   for _, _, ids in self.inputs]
-        rows = [self.point.tokens * spec.top_k if a is None else a.num_blocks * block_m for a in aligns]
-        acts = [torch.zeros(r, inter, dtype=spec.dtype, device="cuda") for r in rows]
-        outs = [torch.empty(self.point.tokens * (1 if self.tiny else spec.top_k), hidden, dtype=spec.dtype,
-                            device="cuda") for _ in self.inputs]
+        if self.tiny:  # fp32 gate/up partials, room for the largest K split
+            acts = [torch.zeros(MAX_SPLIT_K, routes, 2 * inter, device="cuda") for _ in aligns]
+        else:
+            acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device="cuda") for a in aligns]
+        outs = [torch.empty(self.point.tokens if self.tiny else routes, hidden, dtype=spec.dtype, device="cuda")
+                for _ in self.inputs]
 
         def gate_up(cfg: KernelConfig) -> None:
             config = LaunchConfig(block_m, cfg, cfg)
             for (x, w, ids), a, act in zip(self.inputs, aligns, acts, strict=True):
-                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, act)
+                buffer = act[: cfg.split_k] if self.tiny else act
+                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, buffer)
 
-        def down(cfg: KernelConfig) -> None:
+        def down(cfg: KernelConfig, split_k: int) -> None:
             config = LaunchConfig(block_m, cfg, cfg)
             for (_, w, ids), a, act, out in zip(self.inputs, aligns, acts, outs, strict=True):
                 if a is None:
-                    launch.down_tiny(act, t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
+                    launch.down_tiny(act[:split_k], t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
                 else:
                     launch.down(act, t["w2"], t.get("w2_scale"), w, a, layer, config, out)
 
@@ -181,12 +195,12 @@ def _compile(task: tuple[Point, list[Candidates]]) -> int:
     with compile_only():
         for c in cands:
             gate_up, down = problem.runners(c.block_m)
-            for run, cfgs in ((gate_up, c.gate_up), (down, c.down)):
-                for cfg in cfgs:
-                    try:
-                        run(cfg)
-                    except Exception:  # e.g. out of shared memory: the timing pass skips it too
-                        failures += 1
+            runs = [partial(gate_up, cfg) for cfg in c.gate_up] + [partial(down, cfg, 1) for cfg in c.down]
+            for run in runs:
+                try:
+                    run()
+                except Exception:  # e.g. out of shared memory: the timing pass skips it too
+                    failures += 1
     return failures
 
 
@@ -213,7 +227,7 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
     for c in cands:
         gate_up, down = problem.runners(c.block_m)
         gu_cfg, gu_s = _fastest(gate_up, c.gate_up)
-        down_cfg, down_s = _fastest(down, c.down)
+        down_cfg, down_s = _fastest(partial(down, split_k=gu_cfg.split_k), c.down)
         if best is None or gu_s + down_s < best[1]:
             best = (LaunchConfig(c.block_m, gu_cfg, down_cfg), gu_s + down_s)
     assert best is not None
