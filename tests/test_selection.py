@@ -14,8 +14,8 @@ CPU = mo.Platform("cpu", "cpu")
 @pytest.fixture
 def fake_backends(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fastest", "needs gfx950", priority=100))
-    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fast", None, priority=50))
+    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fastest", "needs gfx950", priority=1000))
+    mo.register_backend(RelayoutBackend(mo.CANONICAL, "fast", None, priority=900))
 
 
 def test_auto_picks_first_supported_and_explains(fake_backends):
