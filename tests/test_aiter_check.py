@@ -59,6 +59,22 @@ def test_a_wrong_result_fails_the_check():
     assert aiter_check.format_table([result]).splitlines()[1].endswith("FAIL")
 
 
+def test_a_case_that_raises_is_an_error_row_and_the_others_still_run():
+    backend, emulator = emulated_backend("gfx950")
+    cases = [_small(c) for c in aiter_check.CASES[:2]]
+
+    class Broken(type(backend)):
+        def run(self, spec, tensors, x, topk_weights, topk_ids, expert_map):
+            if spec.quant.weights == "none":
+                raise RuntimeError("no kernel for this shape")
+            return super().run(spec, tensors, x, topk_weights, topk_ids, expert_map)
+
+    broken, fine = aiter_check.run_checks(cases, torch.device("cpu"), [3], 1, Broken(emulator))
+    assert broken.verdict == "ERROR: RuntimeError: no kernel for this shape" and not broken.ok
+    assert fine.ok and fine.case is cases[1]
+    assert aiter_check.format_table([broken]).splitlines()[1].endswith("ERROR: RuntimeError: no kernel for this shape")
+
+
 def test_unsupported_cases_are_skipped_with_the_reason():
     results = aiter_check.run_checks([_small(aiter_check.CASES[-1])], torch.device("cpu"), [1], 1)
     why = "no requested backend can run this layer on cpu: aiter: needs ROCm (AMD GPU); this is cpu"

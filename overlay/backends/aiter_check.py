@@ -4,7 +4,9 @@ TP8, random weights in each model's quantisation) and print max errors and timin
 
     python -m moe_overlay.backends.aiter_check [--tokens 1,32,512] [--iters 20] [--models kimi,...]
 
-Exit status: 0 when every case is within its tolerance, 1 when one is not, 2 without a GPU.
+The first call of each case builds AITER's kernels (AITER compiles on first use: minutes).
+Exit status: 0 when every case that can run here is within its tolerance, 1 when one is not
+(or raised), 2 without an AMD GPU. Cases this GPU or AITER cannot run are listed as skipped.
 """
 
 from __future__ import annotations
@@ -120,10 +122,19 @@ class Result:
     backend_ms: float = float("nan")
     reference_ms: float = float("nan")
     skipped: str | None = None  # why the backend cannot run the case here
+    error: str | None = None  # what it raised when it tried
 
     @property
     def ok(self) -> bool:
-        return self.skipped is None and self.relative_error <= self.case.tolerance
+        return self.skipped is None and self.error is None and self.relative_error <= self.case.tolerance
+
+    @property
+    def verdict(self) -> str:
+        if self.skipped is not None:
+            return f"SKIPPED: {self.skipped}"
+        if self.error is not None:
+            return f"ERROR: {self.error}"
+        return "ok" if self.ok else "FAIL"
 
 
 def check_case(case: Case, backend: Backend, device: torch.device, tokens: Sequence[int], iters: int,
@@ -161,7 +172,10 @@ def run_checks(cases: Sequence[Case], device: torch.device, tokens: Sequence[int
         except BackendUnavailableError as why:
             results.append(Result(case, 0, "-", skipped=str(why)))
             continue
-        results.extend(check_case(case, chosen, device, tokens, iters))
+        try:
+            results.extend(check_case(case, chosen, device, tokens, iters))
+        except Exception as exc:  # one broken case must not hide the others' results
+            results.append(Result(case, 0, chosen.kernel_name(case.spec), error=f"{type(exc).__name__}: {exc}"))
     return results
 
 
@@ -169,12 +183,11 @@ def format_table(results: Sequence[Result]) -> str:
     header = ("model", "AITER path", "tokens", "max err", "rel err", "tol", "aiter ms", "torch ms", "result")
     rows = [header]
     for r in results:
-        if r.skipped is not None:
-            rows.append((r.case.model, str(r.case.spec.quant), "-", "-", "-", "-", "-", "-", f"SKIPPED: {r.skipped}"))
+        if r.skipped is not None or r.error is not None:
+            rows.append((r.case.model, r.kernel if r.error else str(r.case.spec.quant), *"------", r.verdict))
             continue
         rows.append((r.case.model, r.kernel, str(r.tokens), f"{r.max_error:.3g}", f"{r.relative_error:.3g}",
-                     f"{r.case.tolerance:g}", f"{r.backend_ms:.3f}", f"{r.reference_ms:.1f}",
-                     "ok" if r.ok else "FAIL"))
+                     f"{r.case.tolerance:g}", f"{r.backend_ms:.3f}", f"{r.reference_ms:.1f}", r.verdict))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header) - 1)]
     return "\n".join("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[-1]])
                      for row in rows)
@@ -196,7 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [c for c in CASES if not wanted or any(w in c.model.lower() for w in wanted)]
     tokens = [int(t) for t in args.tokens.split(",")]
     print(f"AITER backend vs torch reference on {Platform.of(device)} ({torch.cuda.get_device_name(device)})")
-    results = run_checks(cases, device, tokens, args.iters)
+    results = []
+    for case in cases:
+        print(f"  {case.model}, {case.spec.quant} ...", flush=True)
+        results.extend(run_checks([case], device, tokens, args.iters))
     print(format_table(results))
     return 0 if all(r.ok for r in results if r.skipped is None) else 1
 
