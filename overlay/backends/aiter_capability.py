@@ -68,6 +68,8 @@ class AiterPath:
 
 
 BOTH = ("gfx942", "gfx950")
+# name, quantisation, QuantType, GPUs, activations, weight on input, expert parallel,
+# (hidden, intermediate) multiples, pads intermediate, weight shuffle, [mx scale shuffle, block, needs]
 PATHS = (
     AiterPath("bf16", ("none", None, "none"), "No", BOTH, ("silu", "gelu"), True, True, (32, 32), True, (16, 16)),
     AiterPath("fp8 per-tensor", ("fp8", "tensor", "fp8_tensor"), "per_Tensor", BOTH, ("silu", "gelu"),

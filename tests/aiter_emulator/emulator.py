@@ -137,7 +137,8 @@ class AiterEmulator:
         a1, a1_scale = self._quantise(hidden_states, qt)
         stage_qt = ref.QuantType[qt]
         if act == "Situv2":
-            # w2 stands in for the shape only: with 2I "intermediate" rows stage 1 returns its GEMM
+            # `gemm_only` stands in for w2's shape: with 2I intermediate columns stage 1 sees no
+            # gate/up pair and, with activation No, returns its bare GEMM
             gemm_only = torch.empty(w2.shape[0], w2.shape[1], 2 * w2.shape[2], dtype=w2.dtype)
             gate_up = ref.stages.torch_moe_stage1(a1, w1, gemm_only, topk_weight, ids, dtype=torch.float32,
                                                   activation=ref.ActivationType.No, quant_type=stage_qt,
