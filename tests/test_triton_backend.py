@@ -22,9 +22,11 @@ from moe_overlay.backends.triton_moe.problems import (
     with_weights,
 )
 from moe_overlay.backends.triton_moe.tune import (
+    COMPILE_CHUNK,
     REG_BUDGET,
     block_m_candidates,
     candidates,
+    compile_tasks,
     points_from_args,
 )
 from moe_overlay.cli import build_parser
@@ -88,12 +90,16 @@ def test_auto_selection_prefers_triton_over_the_reference_on_a_gpu(with_triton):
     assert selection.backend.name == "triton"
 
 
-def test_layout_is_canonical_except_fp8_on_mi300():
+def test_layout_interleaves_bf16_gate_up_and_keeps_fp8_canonical_except_on_mi300():
     fp8 = mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK)
-    assert TRITON.layout_for(SPEC, H100) == mo.CANONICAL
+    for platform in (H100, mo.Platform("cuda", "amd", "gfx942")):
+        assert TRITON.layout_for(SPEC, platform) == mo.Layout("triton", gate_up="interleaved")
+    w13 = torch.randn(8, 256, 256)
+    interleaved = to_layout({"w13": w13, "w2": torch.randn(8, 256, 128)}, SPEC, TRITON.layout_for(SPEC, H100))
+    assert torch.equal(interleaved["w13"][:, 0::2], w13[:, :128]) and torch.equal(interleaved["w13"][:, 1::2],
+                                                                                    w13[:, 128:])
     assert TRITON.layout_for(fp8, H100) == mo.CANONICAL
     assert TRITON.layout_for(fp8, mo.Platform("cuda", "amd", "gfx950")) == mo.CANONICAL
-    assert TRITON.layout_for(SPEC, mo.Platform("cuda", "amd", "gfx942")) == mo.CANONICAL
     mi300 = TRITON.layout_for(fp8, mo.Platform("cuda", "amd", "gfx942"))
     assert mi300.fp8_format == "e4m3fnuz"
     w13, s13 = quantize_fp8(torch.randn(8, 256, 256), FP8_BLOCK)
@@ -223,6 +229,21 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
                 assert tiles * c.block_m * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
                 assert cfg.block_k == 128 or not point.shape.fp8
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
+
+
+def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
+    points = points_from_args(build_parser().parse_args(["tune", "--model", "Maverick", "--tokens", "1,1024"]))
+    plan = [(p, candidates(p, 227 * 1024)) for p in points]
+    tasks = compile_tasks(plan)
+    assert all(0 < len(kernels) <= COMPILE_CHUNK for _, _, kernels in tasks)
+    for point, cands in plan:
+        for c in cands:
+            compiled = {(kind, cfg, split) for p, block_m, kernels in tasks if (p, block_m) == (point, c.block_m)
+                        for kind, cfg, split in kernels}
+            splits = {g.split_k for g in c.gate_up}
+            assert compiled == {("gate_up", g, 1) for g in c.gate_up} | {("down", d, s) for d in c.down
+                                                                         for s in splits}
+    assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8}  # M=1 is tiny
 
 
 # -- the benchmark's arithmetic and its peer ------------------------------------------------------

@@ -2,6 +2,7 @@
 skipped, unless TRITON_INTERPRET=1 asks for Triton's CPU interpreter (small shapes only;
 the interpreter's bf16 dot and fp8 rounding are wrong, so it runs fp16 and skips fp8)."""
 
+import json
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import moe_overlay as mo
 from moe_overlay.backends.reference import reference_moe
-from moe_overlay.backends.triton_moe.configs import LayerShape, current_table, is_tuned
+from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, is_tuned
 from moe_overlay.backends.triton_moe.problems import (
     FP8_MODELS,
     MODELS,
@@ -74,6 +75,31 @@ def test_small_layers_match_the_reference(spec, m):
     _check(spec, m, tol=1e-2)
 
 
+FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
+KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
+# (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
+# the splits) and narrow tiles; sorted mode with blocks of 32 grouped 2 by 2
+UNUSUAL = {
+    "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
+                     "down": {**KERNEL, "block_k": 64}}, 5),
+    "sorted-grouped": ({"block_m": 32, "gate_up": KERNEL, "down": KERNEL}, 40),
+}
+
+
+@needs_device
+@pytest.mark.parametrize("spec", [SMALL[1], SMALL[4], pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
+                         ids=["odd-sizes", "k1-oninput-ep", "fp8-block"])
+@pytest.mark.parametrize("variant", UNUSUAL)
+def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
+    from moe_overlay.backends.triton_moe.launch import device_name
+
+    entry, m = UNUSUAL[variant]
+    table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+    (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
+    monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
+    _check(spec, m, tol=2e-2)
+
+
 @fp8_ok
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("m", [1, 7, 60])
@@ -84,10 +110,10 @@ def test_fp8_w8a8_matches_the_reference(granularity, m):
 
 @needs_device
 def test_align_sorts_every_route_once_into_padded_expert_blocks():
-    from moe_overlay.backends.triton_moe.launch import align
+    from moe_overlay.backends.triton_moe.launch import ALIGN_CHUNK, align
 
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 12, (300, 4), generator=gen, dtype=torch.int32).to(DEVICE)
+    ids = torch.randint(0, 12, (ALIGN_CHUNK // 2 + 300, 5), generator=gen, dtype=torch.int32).to(DEVICE)  # 3 chunks
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, -1, 7, 8], dtype=torch.int32, device=DEVICE)
     a = align(ids, expert_map, 9, 16)
     local = expert_map[ids.reshape(-1).long()].cpu()
@@ -134,7 +160,8 @@ def test_model_layers_match_the_reference(model_weights, name, weights, m):
     x = random_input(m, spec, "cuda", seed=m + 1)
     ref = reference_moe(x, tensors["w13"], tensors["w2"], w, ids, spec.quant, spec.activation,
                         spec.apply_router_weight_on_input, (tensors.get("w13_scale"), tensors.get("w2_scale")))
-    prepared = mo.PreparedExperts(spec, tensors, mo.get_backend("triton"))
+    # prepare() re-lays out in place: a copy keeps the cached weights canonical for the next point
+    prepared = mo.PreparedExperts(spec, {k: v.clone() for k, v in tensors.items()}, mo.get_backend("triton"))
     prepared.prepare()
     out = prepared.apply(x, w, ids)
     assert torch.isfinite(out).all()

@@ -71,9 +71,11 @@ class TritonBackend(Backend):
         return None
 
     def layout_for(self, spec: MoESpec, platform: Platform) -> Layout:
-        # Canonical [E, N, K] is already what the kernel reads fastest: K-contiguous tiles for
-        # both operands (fp8 wgmma needs exactly that), gate and up as two tiles of one program.
-        # Only the fp8 flavour changes: MI300's hardware fp8 is e4m3fnuz.
+        # [E, N, K] with K contiguous, as canonical: what wgmma (fp8 needs exactly that) and
+        # MFMA read best. bf16/fp16 gate and up rows are interleaved, so one dot computes both;
+        # fp8 stays canonical, only its flavour changes: MI300's hardware fp8 is e4m3fnuz.
+        if LayerShape.of(spec).interleaved:
+            return Layout("triton", gate_up="interleaved")
         if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and platform.arch in FNUZ_ARCHS:
             return Layout("triton", fp8_format="e4m3fnuz")
         return CANONICAL

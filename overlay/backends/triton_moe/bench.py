@@ -106,17 +106,17 @@ class Row:
 
 def bench_model(name: str, spec: MoESpec, tokens: list[int], bandwidth: float, rate: float) -> list[Row]:
     tensors = random_weights(spec, "cuda", seed=0)
-    prepared = mo.PreparedExperts(spec, tensors, mo.get_backend("triton"))
+    # prepare() re-lays out in place (gate/up interleaved); the peers keep canonical weights
+    prepared = mo.PreparedExperts(spec, {k: v.clone() for k, v in tensors.items()}, mo.get_backend("triton"))
     prepared.prepare()
-    rows = [bench_point(name, spec, prepared, m, bandwidth, rate) for m in tokens]
+    rows = [bench_point(name, spec, tensors, prepared, m, bandwidth, rate) for m in tokens]
     del prepared, tensors
     torch.cuda.empty_cache()
     return rows
 
 
-def bench_point(name: str, spec: MoESpec, prepared: mo.PreparedExperts, m: int, bandwidth: float,
-                rate: float) -> Row:
-    tensors = prepared.tensors
+def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prepared: mo.PreparedExperts, m: int,
+                bandwidth: float, rate: float) -> Row:
     w13_t, w2_t = tensors["w13"].transpose(1, 2), tensors["w2"].transpose(1, 2)  # column-major B, as cuBLAS likes
     calls = [(random_input(m, spec, "cuda", seed=10 + g), *random_routing(m, spec, "cuda", seed=20 + g))
              for g in range(ROUTINGS)]

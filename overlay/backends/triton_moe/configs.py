@@ -85,6 +85,12 @@ class LayerShape:
     def fp8(self) -> bool:
         return self.weights.startswith("fp8")
 
+    @property
+    def interleaved(self) -> bool:
+        """w13 rows gate/up-interleaved (the backend's layout for bf16/fp16): one dot computes
+        both. fp8 stays canonical: its 128x128 scale blocks span canonical rows."""
+        return not self.fp8
+
 
 def is_tiny(num_tokens: int, top_k: int) -> bool:
     return num_tokens * top_k <= TINY_ROUTES

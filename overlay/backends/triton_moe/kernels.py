@@ -7,7 +7,7 @@ required for fp8) and MFMA read as is; gate and up are two B tiles of one progra
 activation is applied in registers and only `[routes, I]` reaches memory.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
-- general mode: `align_kernel` sorts the routes by local expert into blocks of BLOCK_M;
+- general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of BLOCK_M;
 - tiny mode (at most BLOCK_M routes, e.g. one decode token): no sort; the program of route
   slot s takes every route that goes to the same expert as s, and only the first such slot
   runs, so each expert's weights are read once.
@@ -32,22 +32,57 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation
 # kernel serves every batch size.
 @triton.jit(do_not_specialize=["num_routes"])
 def align_count_kernel(
-    ids_ptr, map_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, cursor_ptr,
-    num_routes,
-    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr, map_ptr, counts_ptr, num_routes, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program, first half of a counting sort of the routes by local expert, each expert
-    padded to BLOCK_M: counts, each block's expert and valid rows, the padded total, and
-    each expert's first sorted slot (`cursor`, which align_scatter_kernel advances)."""
+    """First half of a counting sort of the routes by local expert, one program per CHUNK
+    routes: row `pid` of `counts [chunks, E_PAD]` is that chunk's count of each expert.
+    (Programs in parallel: one program histogramming every route took ~0.5 ms at 131k routes.)"""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+    tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), tl.histogram(local, E_PAD, mask=local >= 0))
+
+
+@triton.jit(do_not_specialize=["num_routes"])
+def align_scatter_kernel(
+    ids_ptr, map_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    num_routes,
+    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Second half, one program per CHUNK routes. Each program reads the whole count table
+    (chunks x E_PAD, small) for the experts' totals, pads each to BLOCK_M and places its
+    routes after those of the chunks before it, through an atomic cursor of its own.
+    Program 0 also writes each block's expert and valid rows, and the padded total. Order
+    within a chunk and expert depends on the atomics; each output row is computed on its
+    own, so results do not."""
+    pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_routes, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
-        counts += tl.histogram(local, E_PAD, mask=local >= 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for first in range(0, tl.num_programs(0), ROWS):
+        chunk = first + tl.arange(0, ROWS)
+        counts = tl.load(counts_ptr + chunk[:, None] * E_PAD + experts[None, :],
+                         mask=(chunk < tl.num_programs(0))[:, None], other=0)
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where((chunk < pid)[:, None], counts, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, 0) - padded
-    tl.store(cursor_ptr + experts, starts)
+    if pid == 0:
+        _write_blocks(block_expert_ptr, block_rows_ptr, num_padded_ptr, experts, total, padded, starts, BLOCK_M)
+    cursor = cursor_ptr + pid * E_PAD
+    tl.store(cursor + experts, starts + before)
+    tl.debug_barrier()  # the cursor row is written before this program's atomics advance it
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+    valid = local >= 0
+    slot = tl.atomic_add(cursor + local, 1, mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + slot, offs, mask=valid)
+
+
+@triton.jit
+def _write_blocks(block_expert_ptr, block_rows_ptr, num_padded_ptr, experts, counts, padded, starts,
+                  BLOCK_M: tl.constexpr):
+    """Each M block's expert and number of valid rows, and the padded total."""
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     blocks = padded // BLOCK_M
     first_block = starts // BLOCK_M
@@ -56,20 +91,6 @@ def align_count_kernel(
         tl.store(block_expert_ptr + first_block + j, experts, mask=here)
         rows = tl.minimum(tl.maximum(counts - j * BLOCK_M, 0), BLOCK_M)
         tl.store(block_rows_ptr + first_block + j, rows, mask=here)
-
-
-@triton.jit(do_not_specialize=["num_routes"])
-def align_scatter_kernel(
-    ids_ptr, map_ptr, sorted_ptr, cursor_ptr, num_routes, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Second half, one program per CHUNK routes: each route takes the next slot of its
-    expert. Order within an expert depends on the atomics and may differ between runs;
-    each output row is computed on its own, so results do not."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
-    valid = local >= 0
-    slot = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
-    tl.store(sorted_ptr + slot, offs, mask=valid)
 
 
 @triton.jit
@@ -103,7 +124,7 @@ def _tiny_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP: tl.constexpr, BLOCK_
     expert = tl.load(ids_ptr + slot)
     if HAS_MAP:
         expert = tl.load(map_ptr + expert)
-    rows = (local == expert) & (expert >= 0)
+    rows = (local == expert) & (local >= 0)
     first = tl.min(tl.where(rows, offs, BLOCK_M), 0)
     return tl.where(first == slot, expert, -1), offs, rows, offs
 
@@ -158,47 +179,41 @@ def _activate(gate, up, beta, linear_beta, ACTIVATION: tl.constexpr):
     return gate * _sigmoid(gate) * up
 
 
-@triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
-def gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
-    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    num_routes, num_blocks_m, inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
-    beta, linear_beta,
-    TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
-    columns of I; `w` is `[E, 2I, H]` (gate rows, then up rows). Tiny mode splits K over
-    program_id(1) (a single expert's GEMV needs more programs than its N tiles give) and
-    stores fp32 gate and up partials, `out[split, route, 2I]`, for the down kernel."""
-    pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
-    if TINY:
-        expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M)
-    else:
-        expert, routes, rows, buffer_rows = _sorted_rows(
-            pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
-    if expert < 0:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _gate_up_interleaved(a_ptrs, w_ptr, rows, pid_n, k_first, k_last, inter, hidden, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Main loop over row-interleaved weights (row 2n: gate n, row 2n+1: up n): one dot of
+    2*BLOCK_N columns instead of two of BLOCK_N (fuller tensor-core instructions, A read
+    from shared memory once), split into (gate, up) fp32 afterwards, in registers."""
+    offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < inter
-    a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
-    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    w_ok = offs_w < 2 * inter
+    w_ptrs = w_ptr + offs_w[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k in range(k_first, k_last):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+
+
+@triton.jit
+def _gate_up_pair(a_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden, stride_wn,
+                  stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Main loop over canonical weights (gate rows, then up rows; fp8 keeps this layout, its
+    128x128 scale blocks span canonical rows): two dots, w8a8-rescaled per K step."""
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + inter * stride_wn
-    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     gate_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
     up_scale_ptrs = scale_base + ((offs_n + inter) // SCALE_BLOCK) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_steps = tl.cdiv(hidden, BLOCK_K)
-    per_split = tl.cdiv(k_steps, tl.num_programs(1))
-    k_first = tl.program_id(1) * per_split
-    a_ptrs += k_first * BLOCK_K
-    gate_ptrs += k_first * BLOCK_K
-    up_ptrs += k_first * BLOCK_K
-    for k in range(k_first, tl.minimum(k_first + per_split, k_steps)):
+    for k in range(k_first, k_last):
         k_ok = offs_k < hidden - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -211,6 +226,49 @@ def gate_up_kernel(
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    return acc_gate, acc_up
+
+
+@triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
+def gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    num_routes, num_blocks_m, inter, hidden, top_k,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    beta, linear_beta,
+    TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
+    columns of I; `w` is `[E, 2I, H]`, gate rows then up rows, or row-interleaved (INTERLEAVED:
+    bf16/fp16, see _gate_up_interleaved). Tiny mode splits K over program_id(1) (a single
+    expert's GEMV needs more programs than its N tiles give) and stores fp32 gate and up
+    partials, `out[split, route, 2I]`, for the down kernel."""
+    pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
+    if TINY:
+        expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M)
+    else:
+        expert, routes, rows, buffer_rows = _sorted_rows(
+            pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    k_steps = tl.cdiv(hidden, BLOCK_K)
+    per_split = tl.cdiv(k_steps, tl.num_programs(1))
+    k_first = tl.program_id(1) * per_split
+    k_last = tl.minimum(k_first + per_split, k_steps)
+    a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + k_first * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
+    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    if INTERLEAVED:
+        acc_gate, acc_up = _gate_up_interleaved(a_ptrs, w_expert, rows, pid_n, k_first, k_last, inter, hidden,
+                                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc_gate, acc_up = _gate_up_pair(a_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first, k_last,
+                                         inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX,
+                                         BLOCK_M, BLOCK_N, BLOCK_K)
     if W_QUANT == W_TENSOR:
         acc_gate *= tl.load(scale_base)
         acc_up *= tl.load(scale_base)
@@ -286,12 +344,12 @@ def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.co
 @triton.jit
 def down_tiny_kernel(
     partial_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
-    hidden, inter, top_k, num_splits,
+    hidden, inter, top_k,
     stride_ps, stride_pr, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together), the
@@ -311,18 +369,18 @@ def down_tiny_kernel(
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
         a_ok = here[:, None] & (offs_k < inter)[None, :]
         a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
         gate = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
         up = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-        for split in range(0, num_splits):
+        for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
             gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
             up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
         a = _activate(gate, up, beta, linear_beta, ACTIVATION)
         if W_QUANT != W_NONE:  # what the w8a8 GEMM computes: quantise-dequantise the input
             q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
             a = q.to(tl.float32) * a_scale[:, None]
-        w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
         w = w.to(tl.float32)
         if W_QUANT == W_BLOCK:
             block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k

@@ -23,8 +23,8 @@ from .configs import TINY_ROUTES, LaunchConfig, LayerShape, current_table, is_ti
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
-ALIGN_COUNT_CHUNK = 4096
-ALIGN_SCATTER_CHUNK = 1024
+ALIGN_CHUNK = 4096  # routes per sort program
+ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
 
 
@@ -71,7 +71,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class Alignment:
-    """Routes sorted by local expert, padded per expert to block_m (see kernels.align_kernel)."""
+    """Routes sorted by local expert, padded per expert to block_m (kernels.align_*_kernel)."""
 
     sorted_routes: torch.Tensor
     block_expert: torch.Tensor
@@ -106,18 +106,18 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
         num_blocks,
     )
     e_pad = triton.next_power_of_2(num_local)
-    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    chunks = triton.cdiv(routes, ALIGN_CHUNK)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
+    cursor = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     emap = ids if expert_map is None else expert_map
+    has_map = expert_map is not None
+    _launch(kernels.align_count_kernel, (chunks,), ids, emap, counts, routes,
+            HAS_MAP=has_map, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=8)
     _launch(
-        kernels.align_count_kernel, (1,),
-        ids, emap, out.block_expert, out.block_rows, out.num_padded, cursor, routes,
-        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_COUNT_CHUNK, num_warps=16,
-    )
-    _launch(
-        kernels.align_scatter_kernel, (triton.cdiv(routes, ALIGN_SCATTER_CHUNK),),
-        ids, emap, out.sorted_routes, cursor, routes,
-        HAS_MAP=expert_map is not None, CHUNK=ALIGN_SCATTER_CHUNK, num_warps=4,
+        kernels.align_scatter_kernel, (chunks,),
+        ids, emap, counts, cursor, out.sorted_routes, out.block_expert, out.block_rows, out.num_padded, routes,
+        HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, ROWS=ALIGN_TABLE_ROWS, num_warps=8,
     )
     return out
 
@@ -154,6 +154,7 @@ def gate_up(
         x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2), out.stride(0),
         layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        INTERLEAVED=layer.shape.interleaved,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
         BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -196,13 +197,13 @@ def down_tiny(
     _launch(
         kernels.down_tiny_kernel, grid,
         partials, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
-        layer.shape.hidden, layer.shape.inter, layer.shape.top_k, partials.shape[0],
+        layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
         partials.stride(0), partials.stride(1), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         layer.beta, layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
         W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,9 @@ from .problems import MODELS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 
 ROUTINGS = 4  # routings per point, run back to back, so that weights come from HBM, not L2
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
-MAX_SPLIT_K = 4
+MAX_SPLIT_K = 8
+COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
+COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,27 +86,31 @@ def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> boo
 
 
 def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> list[KernelConfig]:
-    """gate/up (two B tiles per program) or down (one): narrow tiles for weight streaming
-    (small blocks), big ones for the tensor cores (large blocks)."""
+    """gate/up (two B tiles per program: gate and up, or one interleaved tile twice as wide)
+    or down (one): narrow tiles for weight streaming (small blocks), big ones for the tensor
+    cores (large blocks)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     if block_m <= 32:
         grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in (3, 4)]
     else:
-        widths = (64, 128) if b_tiles == 2 else (64, 128, 256)
-        grid = [KernelConfig(n, k, w, s, 8) for n in widths for k in block_ks[:2] for w in (4, 8) for s in (3, 4)]
+        grid = [KernelConfig(n, k, w, s, 8) for n in (64, 128, 256) for k in block_ks[:2] for w in (4, 8)
+                for s in (3, 4)]
     return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
 
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy."""
     block_ks = (128,) if fp8 else (128, 256)
-    grid = [KernelConfig(n, k, 4, 4, split_k=s) for n in (16, 32, 64) for k in block_ks for s in (1, 2, MAX_SPLIT_K)]
+    grid = [KernelConfig(n, k, 4, 4, split_k=s) for n in (16, 32, 64) for k in block_ks for s in (1, 2, 4, MAX_SPLIT_K)]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
 
 
-def down_tiny_candidates(fp8: bool, top_k: int) -> list[KernelConfig]:
-    """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] tiles in registers."""
-    block_ks = (128,) if fp8 else (32, 64, 128)
+def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
+    """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] weight tiles and
+    [k, BLOCK_K] gate/up sums in registers. Wide BLOCK_K (up to all of I) keeps enough bytes
+    in flight when few programs run (one token: H / BLOCK_N programs)."""
+    widest = min(1024, 1 << (inter - 1).bit_length())
+    block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
     k_pad = 1 << (top_k - 1).bit_length()
     return [KernelConfig(n, k, w, 2) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
             if k_pad * n * k // (32 * w) <= REG_BUDGET]
@@ -122,7 +128,7 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     tiny = is_tiny(point.tokens, point.spec.top_k)
     if tiny:
         return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
-                           down_tiny_candidates(fp8, point.spec.top_k))]
+                           down_tiny_candidates(fp8, point.spec.top_k, point.spec.intermediate_size))]
     return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes), gemm_candidates(b, fp8, 1, smem_bytes))
             for b in block_m_candidates(point.shape, point.tokens)]
 
@@ -131,7 +137,8 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
 
 
 class Problem:
-    """One point's weights (in the layout the backend prepares), routings and buffers."""
+    """One point's weights, routings and buffers. The weights are random and stay canonical:
+    timing does not depend on the order of random rows, and the layout keeps every stride."""
 
     def __init__(self, point: Point, routings: int, random: bool) -> None:
         import torch
@@ -185,22 +192,39 @@ class Problem:
         return gate_up, down
 
 
-def _compile(task: tuple[Point, list[Candidates]]) -> int:
-    """Worker: compile every candidate of one point into Triton's disk cache; count failures."""
+Kernel = tuple[str, KernelConfig, int]  # ("gate_up" | "down", config, gate/up's K split)
+
+
+def compile_tasks(plan: list[tuple[Point, list[Candidates]]]) -> list[tuple[Point, int, list[Kernel]]]:
+    """Every kernel to compile, in chunks of COMPILE_CHUNK: (point, block_m, kernels). A tiny
+    down kernel is compiled once per K split of the gate/up candidates (it unrolls over them)."""
+    tasks = []
+    for point, cands in plan:
+        for c in cands:
+            splits = sorted({g.split_k for g in c.gate_up})
+            kernels = [("gate_up", g, 1) for g in c.gate_up] + [("down", d, s) for d in c.down for s in splits]
+            tasks += [(point, c.block_m, kernels[i : i + COMPILE_CHUNK]) for i in range(0, len(kernels), COMPILE_CHUNK)]
+    return tasks
+
+
+def _compile(task: tuple[Point, int, list[Kernel]]) -> int:
+    """Worker: compile some kernels of one point into Triton's disk cache; count failures."""
     from .launch import compile_only
 
-    point, cands = task
-    problem = Problem(point, 1, random=False)
+    point, block_m, kernels = task
+    experts = min(point.spec.num_experts, COMPILE_EXPERTS * point.spec.top_k)  # less memory per process
+    problem = Problem(replace(point, spec=replace(point.spec, num_experts=experts)), 1, random=False)
     failures = 0
     with compile_only():
-        for c in cands:
-            gate_up, down = problem.runners(c.block_m)
-            runs = [partial(gate_up, cfg) for cfg in c.gate_up] + [partial(down, cfg, 1) for cfg in c.down]
-            for run in runs:
-                try:
-                    run()
-                except Exception:  # e.g. out of shared memory: the timing pass skips it too
-                    failures += 1
+        gate_up, down = problem.runners(block_m)
+        for kind, cfg, split_k in kernels:
+            try:
+                if kind == "gate_up":
+                    gate_up(cfg)
+                else:
+                    down(cfg, split_k)
+            except Exception:  # e.g. out of shared memory: the timing pass skips it too
+                failures += 1
     return failures
 
 
@@ -226,10 +250,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
     best: tuple[LaunchConfig, float] | None = None
     for c in cands:
         gate_up, down = problem.runners(c.block_m)
-        gu_cfg, gu_s = _fastest(gate_up, c.gate_up)
-        down_cfg, down_s = _fastest(partial(down, split_k=gu_cfg.split_k), c.down)
-        if best is None or gu_s + down_s < best[1]:
-            best = (LaunchConfig(c.block_m, gu_cfg, down_cfg), gu_s + down_s)
+        for split in sorted({g.split_k for g in c.gate_up}):  # the split is the tiny down kernel's work too
+            gu_cfg, gu_s = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split])
+            down_cfg, down_s = _fastest(partial(down, split_k=split), c.down)
+            if best is None or gu_s + down_s < best[1]:
+                best = (LaunchConfig(c.block_m, gu_cfg, down_cfg), gu_s + down_s)
     assert best is not None
     return best[0], best[1] / ROUTINGS
 
@@ -247,14 +272,18 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path(f"moe-overlay-triton-{device.replace(' ', '_')}.json")
     points = points_from_args(args)
     plan = [(p, candidates(p, smem)) for p in points]
-    total = sum(len(c.gate_up) + len(c.down) for _, cands in plan for c in cands)
-    print(f"tuning {len(points)} points on {device}: {total} candidate kernels, compiling with {args.jobs} processes",
+    tasks = compile_tasks(plan)
+    total = sum(len(kernels) for _, _, kernels in tasks)
+    print(f"tuning {len(points)} points on {device}: {total} kernels to compile with {args.jobs} processes",
           flush=True)
     started = time.time()
+    failed = 0
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done, failures in enumerate(pool.map(_compile, plan), 1):
-            print(f"  compiled {done}/{len(plan)} points ({failures} candidates failed) "
-                  f"[{time.time() - started:.0f}s]", flush=True)
+        for done, failures in enumerate(pool.map(_compile, tasks), 1):
+            failed += failures
+            if done % 10 == 0 or done == len(tasks):
+                print(f"  compiled {done}/{len(tasks)} tasks ({failed} kernels failed) "
+                      f"[{time.time() - started:.0f}s]", flush=True)
     table: dict[str, Any] = read_file(out) if out.exists() else {}
     for n, (point, cands) in enumerate(plan, 1):
         config, seconds = tune_point(point, cands)
