@@ -39,6 +39,8 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+	@echo "==> the Triton kernels again, on Triton's CPU interpreter (small shapes; make test-gpu runs all)"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py
 
 # Tokens/s of the tiny model: overlay (backend torch, backend vllm) against stock vLLM, same run.
 bench-cpu: install
