@@ -26,6 +26,7 @@ VARIANTS = {  # name -> (environment, extra serve arguments)
     "overlay, backend torch": ({}, ("--backend", "torch")),
 }
 PROMPT = "Mixture-of-Experts layers route every token to a few experts, so"
+SETTLE_S = 1.0  # let the previous server's OpenMP threads stop spinning on the shared core
 
 
 def _workload(server: Server, model: str, requests: int, tokens: int) -> float:
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             _workload(servers[name], deployment.name, args.requests, 8)  # warm-up
         for r in range(args.repeats):
             for name, server in servers.items():
+                time.sleep(SETTLE_S)
                 results[name].append(_workload(server, deployment.name, args.requests, args.tokens))
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in results.items()),
                   flush=True)
