@@ -37,14 +37,23 @@ class NotMapped(Exception):
 @dataclass
 class LayerRecord:
     name: str
-    describe: Callable[[], dict[str, Any]]
+    scope: Scope = field(repr=False, compare=False)
+    describe: Callable[[], dict[str, Any]] = dict
     ready: bool = False
+
+    def mark_ready(self) -> None:
+        self.scope.layer_ready(self)
 
 
 @dataclass
 class Scope:
     architecture: str
     layers: list[LayerRecord] = field(default_factory=list)
+
+    def add(self, name: str) -> LayerRecord:
+        record = LayerRecord(name, self)
+        self.layers.append(record)
+        return record
 
     def layer_ready(self, record: LayerRecord) -> None:
         record.ready = True
@@ -168,7 +177,7 @@ class OverlayMoEMethod(FusedMoEMethodBase):
         else:
             self.prepared.mark_reloaded()  # the loader restored before writing: all canonical now
         self.prepared.prepare()
-        _scope_of(self.record).layer_ready(self.record)
+        self.record.mark_ready()
 
     def restore_before_write(self) -> None:
         if self.prepared is not None:
@@ -183,10 +192,6 @@ class OverlayMoEMethod(FusedMoEMethodBase):
             return {"backend": self.selection.backend.name, "reason": self.selection.reason,
                     "rejected": dict(self.selection.rejected), "prepared": False}
         return self.prepared.describe()
-
-
-def _scope_of(record: LayerRecord) -> Scope:
-    return next(s for s in SCOPES if any(r is record for r in s.layers))
 
 
 def _describe_upstream(upstream: FusedMoEMethodBase, spec: mo.MoESpec | None, selection: mo.Selection):
@@ -211,7 +216,7 @@ def _track_upstream(upstream: FusedMoEMethodBase, record: LayerRecord) -> None:
 
     def process_weights_after_loading(layer) -> None:
         original(layer)
-        _scope_of(record).layer_ready(record)
+        record.mark_ready()
 
     upstream.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
@@ -225,8 +230,7 @@ class OverlayRoutedExperts(RoutedExperts):
         if scope is None:
             return upstream
         spec, selection = _select(prefix, self, upstream)
-        record = LayerRecord(prefix, lambda: {})
-        scope.layers.append(record)
+        record = scope.add(prefix)
         if spec is None or selection.backend.name == VllmBackend.name:
             # A/B and fallback: upstream's own method, untouched, so it runs exactly as stock.
             record.describe = _describe_upstream(upstream, spec, selection)

@@ -130,8 +130,9 @@ def test_reload_restores_before_writing_so_nothing_is_shuffled_twice(upstream, m
     monkeypatch.setattr(RoutedExperts, "weight_loader", upstream_loader)
     spec = mo.MoESpec(E, H, I, K, dtype=torch.float32)
     layer = _layer(upstream.moe)
-    record = moe_layer.LayerRecord("l0", lambda: {})
-    moe_layer.SCOPES.append(moe_layer.Scope("Test", [record]))
+    scope = moe_layer.Scope("Test")
+    moe_layer.SCOPES.append(scope)
+    record = scope.add("l0")
     method = OverlayMoEMethod(upstream, spec, mo.Selection(RelayoutBackend(shuffled), "test"), record)
     layer.quant_method = method
     gen = torch.Generator().manual_seed(1)

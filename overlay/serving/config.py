@@ -142,7 +142,7 @@ def _flag_args(source: Path, flags: dict[str, Any]) -> list[str]:
 def _env(source: Path, raw: dict[str, Any], backend: str) -> dict[str, str]:
     env: dict[str, str] = {}
     for key, value in raw.items():
-        if not isinstance(value, str | int | float | bool) or value is None:
+        if not isinstance(value, str | int | float | bool):
             raise _fail(source, f"env.{key}", f"must be a string or number, got {value!r}")
         env[str(key)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     for key in env:
