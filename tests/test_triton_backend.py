@@ -181,6 +181,19 @@ def test_user_files_come_from_the_environment_after_the_shipped_ones(tmp_path, m
     configs._table.cache_clear()
 
 
+def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    resident = {**_entry(64), "down": {**_entry(64)["down"], "n_split": 2}}
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"512": resident} for s in shapes}})))
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    assert bf16.down.n_split == 2 and bf16.down.block_k == 64
+    assert fp8.down.n_split == 0 and fp8.down.block_k == 128 == fp8.gate_up.block_k  # the resident block is bf16/fp16
+
+
 def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
     table = {"GPU": {"E8-H256-I128-k2-bf16": {"1": _entry(16), "16": _entry(32), "1024": _entry(128)}}}
     shape = configs.LayerShape.of(SPEC)
@@ -244,6 +257,20 @@ def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
             assert compiled == {("gate_up", g, 1) for g in c.gate_up} | {("down", d, s) for d in c.down
                                                                          for s in splits}
     assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8}  # M=1 is tiny
+
+
+def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_chip():
+    def downs(model, weights="bf16"):
+        args = ["tune", "--model", model, "--weights", weights, "--tokens", "8192"]
+        return [(c.block_m, d) for c in candidates(points_from_args(build_parser().parse_args(args))[0], 227 * 1024)
+                for d in c.down]
+
+    kimi = [(m, d) for m, d in downs("Kimi-K3") if d.n_split]
+    assert kimi and {d.n_split for _, d in kimi} == {1, 2, 4} and all(d.block_k == 256 + 128 for _, d in kimi)
+    assert all((m + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
+    assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
+    assert not any(d.n_split for _, d in downs("DeepSeek-V3", "fp8-block"))
+    assert [configs.resident_k(i) for i in (256, 384, 72, 100)] == [(256, 0), (256, 128), (64, 16), (64, 64)]
 
 
 # -- the benchmark's arithmetic and its peer ------------------------------------------------------

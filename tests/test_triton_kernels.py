@@ -78,17 +78,20 @@ def test_small_layers_match_the_reference(spec, m):
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
-# the splits) and narrow tiles; sorted mode with blocks of 32 grouped 2 by 2
+# the splits) and narrow tiles; sorted mode with blocks of 32 grouped 2 by 2; the down kernel
+# with a resident activation block, 2 or 3 programs per block (fp8 falls back to tiles).
 UNUSUAL = {
     "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
                      "down": {**KERNEL, "block_k": 64}}, 5),
     "sorted-grouped": ({"block_m": 32, "gate_up": KERNEL, "down": KERNEL}, 40),
+    "sorted-resident": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 40),
+    "sorted-resident-3": ({"block_m": 16, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 3}}, 40),
 }
 
 
 @needs_device
-@pytest.mark.parametrize("spec", [SMALL[1], SMALL[4], pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
-                         ids=["odd-sizes", "k1-oninput-ep", "fp8-block"])
+@pytest.mark.parametrize("spec", [SMALL[1], SMALL[2], SMALL[4], SMALL[5], pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
+                         ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "fp8-block"])
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
     from moe_overlay.backends.triton_moe.launch import device_name

@@ -37,6 +37,7 @@ class KernelConfig:
     num_stages: int
     group_m: int = 1
     split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
+    n_split: int = 0  # general bf16/fp16 down only, > 0: down_resident_kernel, programs per M block
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,14 @@ class LayerShape:
         """w13 rows gate/up-interleaved (the backend's layout for bf16/fp16): one dot computes
         both. fp8 stays canonical: its 128x128 scale blocks span canonical rows."""
         return not self.fp8
+
+
+def resident_k(inter: int) -> tuple[int, int]:
+    """down_resident_kernel's two K tiles covering all of I: the largest power of two in I,
+    and the rest rounded up to one (at least 16, a dot's least K), or 0."""
+    low = 1 << (inter.bit_length() - 1)
+    rest = inter - low
+    return low, max(16, 1 << (rest - 1).bit_length()) if rest else 0
 
 
 def is_tiny(num_tokens: int, top_k: int) -> bool:

@@ -331,6 +331,53 @@ def down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def down_resident_kernel(
+    a_ptr, w_ptr, out_ptr, topk_weights_ptr,
+    sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    num_blocks_m, hidden, inter,
+    stride_am, stride_we, stride_wn, stride_om,
+    WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
+):
+    """down_kernel for bf16/fp16 with a small I (K_LO + K_HI >= I, powers of two; K_HI may
+    be 0): the program's activation block `[BLOCK_M, I]` is loaded once, then multiplied by
+    its share of the N tiles in turn (N_SPLIT programs per M block), so only weight tiles
+    stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
+    Output as down_kernel's."""
+    pid_m = tl.program_id(0) // N_SPLIT
+    expert, routes, rows, buffer_rows = _sorted_rows(
+        pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    offs_lo = tl.arange(0, K_LO)
+    a_rows = a_ptr + buffer_rows[:, None] * stride_am
+    a_lo = tl.load(a_rows + offs_lo[None, :], mask=rows[:, None] & (offs_lo < inter)[None, :], other=0.0)
+    if K_HI > 0:
+        offs_hi = K_LO + tl.arange(0, K_HI)
+        a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
+    if WEIGHT_ON_INPUT:
+        route_weight = tl.full([BLOCK_M, 1], 1.0, dtype=tl.float32)
+    else:
+        route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
+    out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
+    tiles = tl.cdiv(hidden, BLOCK_N)
+    per_program = tl.cdiv(tiles, N_SPLIT)
+    first = (tl.program_id(0) % N_SPLIT) * per_program
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    for tile in range(first, tl.minimum(first + per_program, tiles)):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        w_cols = w_expert + offs_n[None, :] * stride_wn
+        w = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a_lo, w)
+        if K_HI > 0:
+            w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a_hi, w, acc)
+        acc *= route_weight
+        tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
 @triton.jit
 def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.constexpr):
     """Per-tensor and per-channel weight scales, applied once after the K loop."""

@@ -18,7 +18,16 @@ import triton
 import triton.language as tl
 
 from . import kernels
-from .configs import TINY_ROUTES, LaunchConfig, LayerShape, current_table, is_tiny, lookup, weights_tag
+from .configs import (
+    TINY_ROUTES,
+    LaunchConfig,
+    LayerShape,
+    current_table,
+    is_tiny,
+    lookup,
+    resident_k,
+    weights_tag,
+)
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
@@ -89,8 +98,9 @@ def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> L
     config, _ = lookup(current_table(), device_name(device), shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if shape.fp8:  # one K step per 128-wide scale block / activation group
-        config = replace(config, gate_up=replace(config.gate_up, block_k=128), down=replace(config.down, block_k=128))
+    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16)
+        config = replace(config, gate_up=replace(config.gate_up, block_k=128),
+                         down=replace(config.down, block_k=128, n_split=0))
     return config
 
 
@@ -167,6 +177,9 @@ def down(
 ) -> None:
     """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1)."""
     cfg = config.down
+    if cfg.n_split:
+        _down_resident(a, w2, topk_weights, alignment, layer, config, out)
+        return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
     grid = (alignment.num_blocks * triton.cdiv(layer.shape.hidden, cfg.block_n),)
@@ -179,6 +192,24 @@ def down(
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
         FP8=fp8, FP8_MAX=fp8_max,
         BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _down_resident(
+    a: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, alignment: Alignment, layer: Layer,
+    config: LaunchConfig, out: torch.Tensor,
+) -> None:
+    cfg = config.down
+    k_low, k_high = resident_k(layer.shape.inter)
+    _launch(
+        kernels.down_resident_kernel, (alignment.num_blocks * cfg.n_split,),
+        a, w2, out, topk_weights,
+        alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
+        alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
+        a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        WEIGHT_ON_INPUT=layer.weight_on_input, N_SPLIT=cfg.n_split,
+        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -248,12 +279,22 @@ def fused_experts(
     alignment = align(topk_ids, expert_map, layer.shape.experts, config.block_m)
     act = torch.empty(alignment.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, config, act)
+    down_and_sum(act, w2, w2_scale, topk_weights, topk_ids, expert_map, alignment, layer, config, out)
+    return out
+
+
+def down_and_sum(
+    act: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment, layer: Layer,
+    config: LaunchConfig, out: torch.Tensor,
+) -> None:
+    """General mode after gate/up: the down projection and the top-k sum into `out` `[M, H]`."""
+    num_tokens, top_k = topk_ids.shape
     if top_k == 1:
         if expert_map is not None:
             out.zero_()  # tokens routed off this rank get no row written
         down(act, w2, w2_scale, topk_weights, alignment, layer, config, out)
-        return out
-    routes = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    down(act, w2, w2_scale, topk_weights, alignment, layer, config, routes)
-    sum_routes(routes, topk_ids, expert_map, out)
-    return out
+    else:
+        routes = torch.empty(num_tokens * top_k, out.shape[1], dtype=out.dtype, device=out.device)
+        down(act, w2, w2_scale, topk_weights, alignment, layer, config, routes)
+        sum_routes(routes, topk_ids, expert_map, out)

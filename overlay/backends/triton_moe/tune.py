@@ -20,12 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from ...spec import MoESpec
-from .configs import TINY_ROUTES, KernelConfig, LaunchConfig, LayerShape, default_config, is_tiny, merge, read_file
+from .configs import (
+    TINY_ROUTES,
+    KernelConfig,
+    LaunchConfig,
+    LayerShape,
+    default_config,
+    is_tiny,
+    merge,
+    read_file,
+    resident_k,
+)
 from .problems import MODELS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 
 ROUTINGS = 4  # routings per point, run back to back, so that weights come from HBM, not L2
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
 MAX_SPLIT_K = 8
+RESIDENT_MAX_I = 512  # beyond, a program per output tile already has enough K steps to pipeline
 COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
 COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
 
@@ -42,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file to write; existing entries in it are kept unless re-tuned "
                              "(default: moe-overlay-triton-<device>.json here)")
+    parser.add_argument("--explain", action="store_true",
+                        help="also print the fastest time of each kind of launch tried at each point")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that compile candidates in parallel")
 
@@ -105,6 +118,17 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
 
 
+def resident_down_candidates(block_m: int, fp8: bool, inter: int, smem_bytes: int) -> list[KernelConfig]:
+    """down_resident_kernel (bf16/fp16, I of at most RESIDENT_MAX_I): the activation block and
+    num_stages weight tiles of all of I in shared memory; 1 to 4 programs per M block."""
+    if fp8 or inter > RESIDENT_MAX_I:
+        return []
+    k = sum(resident_k(inter))
+    return [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
+            for split in (1, 2, 4)
+            if (block_m + s * n) * k * 2 <= smem_bytes and block_m * n // (32 * w) <= REG_BUDGET]
+
+
 def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
     """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] weight tiles and
     [k, BLOCK_K] gate/up sums in registers. Wide BLOCK_K (up to all of I) keeps enough bytes
@@ -124,12 +148,12 @@ class Candidates:
 
 
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
-    fp8 = point.shape.fp8
-    tiny = is_tiny(point.tokens, point.spec.top_k)
-    if tiny:
+    fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
+    if is_tiny(point.tokens, top_k):
         return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
-                           down_tiny_candidates(fp8, point.spec.top_k, point.spec.intermediate_size))]
-    return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes), gemm_candidates(b, fp8, 1, smem_bytes))
+                           down_tiny_candidates(fp8, top_k, inter))]
+    return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
+                       gemm_candidates(b, fp8, 1, smem_bytes) + resident_down_candidates(b, fp8, inter, smem_bytes))
             for b in block_m_candidates(point.shape, point.tokens)]
 
 
@@ -158,8 +182,8 @@ class Problem:
         self.tiny = is_tiny(point.tokens, spec.top_k)
 
     def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig, int], None]]:
-        """(run gate/up with a config, run down with a config after gate/up split K that many
-        ways), each over every routing."""
+        """(run gate/up with a config, run down and the top-k sum with a config after gate/up
+        split K that many ways), each over every routing."""
         import torch
 
         from . import launch
@@ -172,8 +196,7 @@ class Problem:
             acts = [torch.zeros(MAX_SPLIT_K, routes, 2 * inter, device="cuda") for _ in aligns]
         else:
             acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device="cuda") for a in aligns]
-        outs = [torch.empty(self.point.tokens if self.tiny else routes, hidden, dtype=spec.dtype, device="cuda")
-                for _ in self.inputs]
+        outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device="cuda") for _ in self.inputs]
 
         def gate_up(cfg: KernelConfig) -> None:
             config = LaunchConfig(block_m, cfg, cfg)
@@ -187,7 +210,7 @@ class Problem:
                 if a is None:
                     launch.down_tiny(act[:split_k], t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
                 else:
-                    launch.down(act, t["w2"], t.get("w2_scale"), w, a, layer, config, out)
+                    launch.down_and_sum(act, t["w2"], t.get("w2_scale"), w, ids, None, a, layer, config, out)
 
         return gate_up, down
 
@@ -228,7 +251,8 @@ def _compile(task: tuple[Point, int, list[Kernel]]) -> int:
     return failures
 
 
-def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) -> tuple[KernelConfig, float]:
+def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) -> tuple[KernelConfig, float] | None:
+    """The fastest config that runs (seconds for all routings), or None when none does."""
     from .timing import graph_replay_seconds
 
     best: tuple[KernelConfig, float] | None = None
@@ -239,24 +263,41 @@ def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) 
             continue
         if best is None or seconds < best[1]:
             best = (cfg, seconds)
-    if best is None:
-        raise RuntimeError("no candidate launch configuration ran")
     return best
 
 
-def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float]:
-    """The fastest (block_m, gate/up, down) for one point and its time per call in seconds."""
+def down_kind(cfg: KernelConfig) -> str:
+    return f"resident/{cfg.n_split}" if cfg.n_split else "tiled"
+
+
+def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float, list[str]]:
+    """The fastest (block_m, gate/up, down) for one point, its time per call in seconds, and
+    the fastest time of each kind of launch tried (for --explain)."""
     problem = Problem(point, ROUTINGS, random=True)
     best: tuple[LaunchConfig, float] | None = None
+    kinds: list[str] = []
+
+    def us(seconds: float) -> str:
+        return f"{seconds / ROUTINGS * 1e6:.1f}"
+
     for c in cands:
         gate_up, down = problem.runners(c.block_m)
         for split in sorted({g.split_k for g in c.gate_up}):  # the split is the tiny down kernel's work too
-            gu_cfg, gu_s = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split])
-            down_cfg, down_s = _fastest(partial(down, split_k=split), c.down)
-            if best is None or gu_s + down_s < best[1]:
-                best = (LaunchConfig(c.block_m, gu_cfg, down_cfg), gu_s + down_s)
-    assert best is not None
-    return best[0], best[1] / ROUTINGS
+            gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split])
+            by_kind: dict[str, list[KernelConfig]] = {}
+            for d in c.down:
+                by_kind.setdefault(down_kind(d), []).append(d)
+            downs = {k: r for k, ds in by_kind.items() if (r := _fastest(partial(down, split_k=split), ds))}
+            if gu is None or not downs:
+                continue
+            down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
+            kinds.append(f"block_m {c.block_m} split_k {split}: gate/up {us(gu[1])} us, down "
+                         + ", ".join(f"{k} {us(s)}" for k, (_, s) in downs.items()))
+            if best is None or gu[1] + down_s < best[1]:
+                best = (LaunchConfig(c.block_m, gu[0], down_cfg), gu[1] + down_s)
+    if best is None:
+        raise RuntimeError(f"no candidate launch configuration ran for {point.name} M={point.tokens}")
+    return best[0], best[1] / ROUTINGS, kinds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,12 +327,14 @@ def run(args: argparse.Namespace) -> int:
                       f"[{time.time() - started:.0f}s]", flush=True)
     table: dict[str, Any] = read_file(out) if out.exists() else {}
     for n, (point, cands) in enumerate(plan, 1):
-        config, seconds = tune_point(point, cands)
+        config, seconds, kinds = tune_point(point, cands)
         entry = {**config.to_json(), "tuned_us": round(seconds * 1e6, 1)}
         table = merge(table, {device: {point.shape.key: {str(point.tokens): entry}}})
         out.write_text(json.dumps({"devices": table}, indent=1, sort_keys=True) + "\n")
         print(f"[{n}/{len(plan)}] {point.name} M={point.tokens}: {seconds * 1e6:.1f} us  {config} "
               f"[{time.time() - started:.0f}s]", flush=True)
+        if args.explain:
+            print("".join(f"    {line}\n" for line in kinds), end="", flush=True)
     print(f"wrote {out}; the backend reads it when {out} is listed in MOE_OVERLAY_TRITON_CONFIGS "
           "or placed in the package's configs/ directory")
     return 0
