@@ -356,9 +356,7 @@ def down_resident_kernel(
     if K_HI > 0:
         offs_hi = K_LO + tl.arange(0, K_HI)
         a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
-    if WEIGHT_ON_INPUT:
-        route_weight = tl.full([BLOCK_M, 1], 1.0, dtype=tl.float32)
-    else:
+    if not WEIGHT_ON_INPUT:
         route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
     out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
     tiles = tl.cdiv(hidden, BLOCK_N)
@@ -374,7 +372,8 @@ def down_resident_kernel(
         if K_HI > 0:
             w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a_hi, w, acc)
-        acc *= route_weight
+        if not WEIGHT_ON_INPUT:
+            acc *= route_weight
         tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
