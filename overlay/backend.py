@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import BackendUnavailableError
-from .layout import Layout, Tensors, to_canonical, to_layout
+from .layout import Layout
 from .spec import MoESpec
 
 
@@ -64,15 +64,6 @@ class Backend(ABC):
         expert_map: torch.Tensor | None,
     ) -> torch.Tensor:
         """Fused experts on weights already in `layout_for(spec)`; returns `[M, H]` in x's dtype."""
-
-    def relayout(self, tensors: Tensors, spec: MoESpec, layout: Layout) -> Tensors:
-        """Canonical -> `layout`: the tensors to write back. A backend whose kernel owns its
-        own re-layout (upstream vLLM's) overrides this and returns only what it leaves to us."""
-        return to_layout(tensors, spec, layout)
-
-    def restore_layout(self, tensors: Tensors, spec: MoESpec, layout: Layout) -> Tensors:
-        """`layout` -> canonical: the inverse of relayout."""
-        return to_canonical(tensors, spec, layout)
 
     def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:
         """Whether a tuned launch configuration exists for this shape (None: not applicable)."""

@@ -9,7 +9,7 @@ import torch
 
 from .backend import Backend, Platform, Selection
 from .checks import check_canonical_weights, check_inputs
-from .layout import CANONICAL, Layout, require_layout
+from .layout import CANONICAL, Layout, require_layout, to_canonical, to_layout
 from .spec import MoESpec
 
 
@@ -64,14 +64,14 @@ class PreparedExperts:
         if self._layout == self.target:
             return
         require_layout(self._layout, CANONICAL, "prepare()")
-        self._rewrite(self.backend.relayout(dict(self.tensors), self.spec, self.target))
+        self._rewrite(to_layout(dict(self.tensors), self.spec, self.target))
         self._layout = self.target
 
     def restore(self) -> None:
         """Back to canonical, bit for bit (e.g. before handing weights to a checkpoint writer)."""
         if self._layout == CANONICAL:
             return
-        self._rewrite(self.backend.restore_layout(dict(self.tensors), self.spec, self._layout))
+        self._rewrite(to_canonical(dict(self.tensors), self.spec, self._layout))
         self._layout = CANONICAL
 
     def mark_reloaded(self) -> None:

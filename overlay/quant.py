@@ -17,6 +17,14 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
 
 
+FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # the MI300 family: hardware fp8 is e4m3fnuz
+
+
+def native_fp8_format(arch: str) -> str:
+    """The fp8 flavour a GPU's matrix cores compute in (e4m3fn on NVIDIA and gfx950)."""
+    return "e4m3fnuz" if arch in FNUZ_ARCHS else "e4m3fn"
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 

@@ -6,7 +6,14 @@ import torch
 import moe_overlay as mo
 from moe_overlay.backends.aiter_capability import ARCHS
 from moe_overlay.layout import shuffle_mx_scales, shuffle_tiles, to_canonical, to_layout
-from moe_overlay.quant import E8M0_BIAS, dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+from moe_overlay.quant import (
+    E8M0_BIAS,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    native_fp8_format,
+    quantize_fp8,
+    quantize_mxfp4,
+)
 from tests.aiter_emulator.layers import emulated_backend
 from tests.aiter_emulator.reference import aiter_reference
 
@@ -64,7 +71,8 @@ def test_mx_scale_padding_is_aiter_mains():
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_fp8_flavour_per_arch_is_aiters_dtypes_fp8(arch):
-    assert aiter_reference(arch).dtypes.fp8 == mo.QuantSpec("fp8", "tensor", fp8_format=ARCHS[arch][1]).fp8_dtype
+    native = mo.QuantSpec("fp8", "tensor", fp8_format=native_fp8_format(arch)).fp8_dtype
+    assert aiter_reference(arch).dtypes.fp8 == native
 
 
 def test_fnuz_conversion_keeps_every_e4m3fn_value():

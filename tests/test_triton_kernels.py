@@ -10,7 +10,8 @@ import torch
 
 import moe_overlay as mo
 from moe_overlay.backends.reference import reference_moe
-from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, is_tuned
+from moe_overlay.backends.triton_moe.bench import relative_error
+from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, device_name, is_tuned
 from moe_overlay.backends.triton_moe.problems import (
     FP8_MODELS,
     MODELS,
@@ -34,10 +35,6 @@ FP8_CAPABLE = CUDA and (torch.version.hip is not None or torch.cuda.get_device_c
 fp8_ok = pytest.mark.skipif(not FP8_CAPABLE, reason="fp8 needs sm_89 or newer (the interpreter rounds it wrongly)")
 
 
-def _error(out, ref):
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def _check(spec, m, tol, seed=0):
     """Triton through the adapter vs the reference, on fresh random data; every row written."""
     tensors = random_weights(spec, DEVICE, seed)
@@ -51,7 +48,7 @@ def _check(spec, m, tol, seed=0):
     prepared.prepare()
     out = prepared.apply(x, w, ids)
     assert out.shape == x.shape and out.dtype == x.dtype and torch.isfinite(out).all()
-    err = _error(out, ref)
+    err = relative_error(out, ref)
     assert err < tol, f"relative error {err:.2e} for {spec} at M={m}"
     return prepared, out, (x, w, ids)
 
@@ -94,8 +91,6 @@ UNUSUAL = {
                          ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "fp8-block"])
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
-    from moe_overlay.backends.triton_moe.launch import device_name
-
     entry, m = UNUSUAL[variant]
     table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
     (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
@@ -168,7 +163,7 @@ def test_model_layers_match_the_reference(model_weights, name, weights, m):
     prepared.prepare()
     out = prepared.apply(x, w, ids)
     assert torch.isfinite(out).all()
-    assert _error(out, ref) < (2e-2 if weights == "bf16" else 3e-2)
+    assert relative_error(out, ref) < (2e-2 if weights == "bf16" else 3e-2)
 
 
 # -- graphs, compile, op registration ---------------------------------------------------------

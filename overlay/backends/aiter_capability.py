@@ -16,10 +16,11 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..layout import Layout
+from ..quant import native_fp8_format
 from ..spec import MoESpec
 
-# gfx arch -> (GPUs, the fp8 flavour its matrix cores compute in: AITER's `dtypes.fp8`)
-ARCHS = {"gfx942": ("MI300X/MI325X", "e4m3fnuz"), "gfx950": ("MI350X/MI355X", "e4m3fn")}
+# gfx arch -> its GPUs (the fp8 flavour AITER computes in, its `dtypes.fp8`, is native_fp8_format's)
+ARCHS = {"gfx942": "MI300X/MI325X", "gfx950": "MI350X/MI355X"}
 
 # our activation -> (AITER ActivationType member, fused_moe keywords for its parameters)
 ACTIVATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -114,7 +115,7 @@ def _find_path(spec: MoESpec, arch: str) -> AiterPath:
     for path in paths:
         if arch in path.archs:
             return path
-    gpus = " or ".join(f"{a} ({ARCHS[a][0]})" for a in paths[0].archs)
+    gpus = " or ".join(f"{a} ({ARCHS[a]})" for a in paths[0].archs)
     raise BackendUnavailableError(f"AITER's {paths[0].name} fused MoE needs {gpus}; this is {arch}")
 
 
@@ -133,7 +134,7 @@ def _padded_intermediate(spec: MoESpec, path: AiterPath) -> int | None:
 
 
 def _fp8_target(spec: MoESpec, arch: str) -> str | None:
-    native = ARCHS[arch][1]
+    native = native_fp8_format(arch)
     if spec.quant.weights != "fp8" or spec.quant.fp8_format == native:
         return None
     if (spec.quant.fp8_format, native) != ("e4m3fn", "e4m3fnuz"):
@@ -176,7 +177,7 @@ def aiter_plan(spec: MoESpec, arch: str | None, features: AiterFeatures, env: Ma
     """The AITER path, activation and weight layout for `spec` on `arch`, or
     BackendUnavailableError naming the first thing AITER cannot do."""
     if arch not in ARCHS:
-        gpus = ", ".join(f"{a} ({g})" for a, (g, _) in ARCHS.items())
+        gpus = ", ".join(f"{a} ({g})" for a, g in ARCHS.items())
         raise BackendUnavailableError(f"AITER's fused MoE runs on {gpus}; this is {arch}")
     if spec.dtype not in (torch.bfloat16, torch.float16):
         raise BackendUnavailableError(f"AITER's fused MoE computes in bfloat16 or float16; this layer is {spec.dtype}")

@@ -11,12 +11,12 @@ import torch
 from ...backend import Backend, Platform, register_backend
 from ...errors import MoEInputError
 from ...layout import CANONICAL, Layout
+from ...quant import FNUZ_ARCHS, native_fp8_format
 from ...spec import MoESpec
 from . import op  # noqa: F401  (registers torch.ops.moe_overlay.triton_experts)
-from .configs import LayerShape, current_table, is_tuned
+from .configs import LayerShape, current_table, device_name, is_tuned
 
 ACTIVATIONS = ("silu", "situ")
-FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # MI300 family: fp8 is e4m3fnuz in hardware
 FP8_AMD_ARCHS = (*FNUZ_ARCHS, "gfx950")
 
 
@@ -66,7 +66,7 @@ class TritonBackend(Backend):
                 return f"fp8 needs sm_89 or newer; this GPU is {platform.arch}"
         elif platform.arch not in FP8_AMD_ARCHS:
             return f"fp8 needs gfx942 or gfx950; this GPU is {platform.arch}"
-        elif q.fp8_format == "e4m3fnuz" and platform.arch not in FNUZ_ARCHS:
+        elif q.fp8_format == "e4m3fnuz" and native_fp8_format(platform.arch) != "e4m3fnuz":
             return f"e4m3fnuz weights need gfx942; {platform.arch} uses e4m3fn"
         return None
 
@@ -76,7 +76,8 @@ class TritonBackend(Backend):
         # fp8 stays canonical, only its flavour changes: MI300's hardware fp8 is e4m3fnuz.
         if LayerShape.of(spec).interleaved:
             return Layout("triton", gate_up="interleaved")
-        if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and platform.arch in FNUZ_ARCHS:
+        native = native_fp8_format(platform.arch or "")
+        if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and native == "e4m3fnuz":
             return Layout("triton", fp8_format="e4m3fnuz")
         return CANONICAL
 
@@ -105,7 +106,8 @@ class TritonBackend(Backend):
     def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:
         if platform.device_type != "cuda":
             return None
-        return is_tuned(current_table(), torch.cuda.get_device_name(), LayerShape.of(spec))
+        device = device_name(torch.device("cuda", torch.cuda.current_device()))
+        return is_tuned(current_table(), device, LayerShape.of(spec))
 
 
 register_backend(TritonBackend())

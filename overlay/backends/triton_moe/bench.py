@@ -24,10 +24,9 @@ import moe_overlay as mo
 
 from ...activations import apply_gated
 from ...spec import MoESpec
-from .problems import MODELS, TOKEN_COUNTS, Floor, floor_for, model, random_input, random_routing, random_weights
+from .problems import MODELS, ROUTINGS, TOKEN_COUNTS, Floor, floor_for, model, random_calls, random_weights
 from .timing import graph_replay_seconds
 
-ROUTINGS = 4
 COPY_BYTES = 4 * 2**30  # a device-to-device copy of at least 4 GB
 MATMUL_SIZE = 8192
 
@@ -118,8 +117,7 @@ def bench_model(name: str, spec: MoESpec, tokens: list[int], bandwidth: float, r
 def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prepared: mo.PreparedExperts, m: int,
                 bandwidth: float, rate: float) -> Row:
     w13_t, w2_t = tensors["w13"].transpose(1, 2), tensors["w2"].transpose(1, 2)  # column-major B, as cuBLAS likes
-    calls = [(random_input(m, spec, "cuda", seed=10 + g), *random_routing(m, spec, "cuda", seed=20 + g))
-             for g in range(ROUTINGS)]
+    calls = random_calls(m, spec, "cuda", ROUTINGS, seed=10)
     x, w, ids = calls[0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -13,8 +13,8 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from functools import cache
+from dataclasses import asdict, dataclass, replace
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +143,8 @@ def read_file(path: Path) -> Table:
     return devices
 
 
-def user_files() -> list[Path]:
-    return [Path(p) for p in os.environ.get(USER_FILES_ENV, "").split(os.pathsep) if p]
+def user_files(env_value: str) -> list[Path]:
+    return [Path(p) for p in env_value.split(os.pathsep) if p]
 
 
 def load_table(files: Iterable[Path]) -> Table:
@@ -155,13 +155,18 @@ def load_table(files: Iterable[Path]) -> Table:
 
 
 @cache
-def _table(user: tuple[Path, ...]) -> Table:
-    return load_table([*sorted(SHIPPED_DIR.glob("*.json")), *user])
+def _table(user_env: str) -> Table:
+    return load_table([*sorted(SHIPPED_DIR.glob("*.json")), *user_files(user_env)])
 
 
 def current_table() -> Table:
     """Shipped files, then the user's; re-read only when the user's list changes."""
-    return _table(tuple(user_files()))
+    return _table(os.environ.get(USER_FILES_ENV, ""))
+
+
+@cache
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def nearest_bucket(buckets: Iterable[str], num_tokens: int) -> str:
@@ -171,10 +176,27 @@ def nearest_bucket(buckets: Iterable[str], num_tokens: int) -> str:
 
 def lookup(table: Table, device: str, shape: LayerShape, num_tokens: int) -> tuple[LaunchConfig, bool]:
     """(launch config, whether it was tuned for this device and shape)."""
-    buckets = table.get(device, {}).get(shape.key)
-    if not buckets:
+    if not is_tuned(table, device, shape):
         return default_config(shape, num_tokens), False
+    buckets = table[device][shape.key]
     return LaunchConfig.from_json(buckets[nearest_bucket(buckets, num_tokens)]), True
+
+
+@lru_cache(maxsize=4096)
+def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: int) -> LaunchConfig:
+    config, _ = lookup(_table(user_env), device, shape, num_tokens)
+    if is_tiny(num_tokens, shape.top_k):
+        config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
+    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16)
+        config = replace(config, gate_up=replace(config.gate_up, block_k=128),
+                         down=replace(config.down, block_k=128, n_split=0))
+    return config
+
+
+def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> LaunchConfig:
+    """The launch for a call: the current table's entry with the rules every launch obeys,
+    remembered (it is asked on every call of the layer)."""
+    return _launch_config(os.environ.get(USER_FILES_ENV, ""), device_name(device), shape, num_tokens)
 
 
 def is_tuned(table: Table, device: str, shape: LayerShape) -> bool:

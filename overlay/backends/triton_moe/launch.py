@@ -10,24 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from functools import cache
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import kernels
-from .configs import (
-    TINY_ROUTES,
-    LaunchConfig,
-    LayerShape,
-    current_table,
-    is_tiny,
-    lookup,
-    resident_k,
-    weights_tag,
-)
+from .configs import LaunchConfig, LayerShape, is_tiny, launch_config, resident_k, weights_tag
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
@@ -87,21 +77,6 @@ class Alignment:
     block_rows: torch.Tensor
     num_padded: torch.Tensor
     num_blocks: int  # an upper bound, fixed by the shapes
-
-
-@cache
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
-def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> LaunchConfig:
-    config, _ = lookup(current_table(), device_name(device), shape, num_tokens)
-    if is_tiny(num_tokens, shape.top_k):
-        config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16)
-        config = replace(config, gate_up=replace(config.gate_up, block_k=128),
-                         down=replace(config.down, block_k=128, n_split=0))
-    return config
 
 
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int) -> Alignment:

@@ -13,6 +13,7 @@ from ...quant import quantize_fp8
 from ...spec import Activation, MoESpec, QuantSpec
 
 TOKEN_COUNTS = (1, 16, 128, 1024, 8192)
+ROUTINGS = 4  # routings per timed call, run back to back, so that weights come from HBM, not the L2
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block")
 
 
@@ -82,6 +83,14 @@ def empty_weights(spec: MoESpec, device: torch.device | str) -> dict[str, torch.
 def random_input(num_tokens: int, spec: MoESpec, device: torch.device | str, seed: int) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(num_tokens, spec.hidden_size, generator=gen, device=device, dtype=spec.dtype)
+
+
+def random_calls(
+    num_tokens: int, spec: MoESpec, device: torch.device | str, count: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`count` different (input, routing weights, expert ids) of one point, seeded."""
+    return [(random_input(num_tokens, spec, device, seed + g),
+             *random_routing(num_tokens, spec, device, seed + count + g)) for g in range(count)]
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ from .configs import (
     read_file,
     resident_k,
 )
-from .problems import MODELS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
+from .problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 
-ROUTINGS = 4  # routings per point, run back to back, so that weights come from HBM, not L2
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
 MAX_SPLIT_K = 8
 RESIDENT_MAX_I = 512  # beyond, a program per output tile already has enough K steps to pipeline
@@ -146,6 +145,11 @@ class Candidates:
     gate_up: list[KernelConfig]
     down: list[KernelConfig]
 
+    @property
+    def splits(self) -> list[int]:
+        """gate/up's K splits: in tiny mode each is also work of its own for the down kernel."""
+        return sorted({g.split_k for g in self.gate_up})
+
 
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
@@ -168,14 +172,13 @@ class Problem:
         import torch
 
         from . import launch
-        from .problems import empty_weights, random_input, random_routing, random_weights
+        from .problems import empty_weights, random_calls, random_weights
 
         spec, device = point.spec, torch.device("cuda")
         self.point = point
         # compiling needs shapes and dtypes only
         self.tensors = random_weights(spec, device, seed=0) if random else empty_weights(spec, device)
-        self.inputs = [(random_input(point.tokens, spec, device, seed=100 + g),
-                        *random_routing(point.tokens, spec, device, seed=200 + g)) for g in range(routings)]
+        self.inputs = random_calls(point.tokens, spec, device, routings, seed=100)
         act = spec.activation
         self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),
                                      spec.apply_router_weight_on_input, spec.quant.granularity)
@@ -224,8 +227,7 @@ def compile_tasks(plan: list[tuple[Point, list[Candidates]]]) -> list[tuple[Poin
     tasks = []
     for point, cands in plan:
         for c in cands:
-            splits = sorted({g.split_k for g in c.gate_up})
-            kernels = [("gate_up", g, 1) for g in c.gate_up] + [("down", d, s) for d in c.down for s in splits]
+            kernels = [("gate_up", g, 1) for g in c.gate_up] + [("down", d, s) for d in c.down for s in c.splits]
             tasks += [(point, c.block_m, kernels[i : i + COMPILE_CHUNK]) for i in range(0, len(kernels), COMPILE_CHUNK)]
     return tasks
 
@@ -282,11 +284,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
 
     for c in cands:
         gate_up, down = problem.runners(c.block_m)
-        for split in sorted({g.split_k for g in c.gate_up}):  # the split is the tiny down kernel's work too
+        by_kind: dict[str, list[KernelConfig]] = {}
+        for d in c.down:
+            by_kind.setdefault(down_kind(d), []).append(d)
+        for split in c.splits:
             gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split])
-            by_kind: dict[str, list[KernelConfig]] = {}
-            for d in c.down:
-                by_kind.setdefault(down_kind(d), []).append(d)
             downs = {k: r for k, ds in by_kind.items() if (r := _fastest(partial(down, split_k=split), ds))}
             if gu is None or not downs:
                 continue
