@@ -63,7 +63,13 @@ class Backend(ABC):
         topk_ids: torch.Tensor,
         expert_map: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Fused experts on weights already in `layout_for(spec)`; returns `[M, H]` in x's dtype."""
+        """Fused experts on weights already in `layout_for(spec)`; returns `[M, H]` in x's dtype.
+        `expert_map` is what `expert_map_for(spec)` built for this layer."""
+
+    def expert_map_for(self, spec: MoESpec, device: torch.device | str) -> torch.Tensor | None:
+        """The layer's expert map as run() takes it, built once per layer: by default global
+        id -> local slot, -1 for experts on other ranks; None without expert parallelism."""
+        return spec.expert_map_tensor(device)
 
     def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:
         """Whether a tuned launch configuration exists for this shape (None: not applicable)."""

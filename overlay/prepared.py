@@ -49,7 +49,7 @@ class PreparedExperts:
         self.platform = Platform.of(device)
         self.target = selection.backend.layout_for(spec, self.platform)
         self._layout: Layout = CANONICAL
-        self._expert_map = spec.expert_map_tensor(device)
+        self._expert_map = self.backend.expert_map_for(spec, device)
 
     @property
     def backend(self) -> Backend:

@@ -8,11 +8,7 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends.reference import reference_moe
-from moe_overlay.backends.triton_moe import backend as triton_backend
-from moe_overlay.backends.triton_moe import configs
-from moe_overlay.backends.triton_moe.bench import grouped_mm_experts, relative_error
-from moe_overlay.backends.triton_moe.problems import (
+from moe_overlay.backends.problems import (
     MODELS,
     bytes_per_expert,
     floor_for,
@@ -21,6 +17,10 @@ from moe_overlay.backends.triton_moe.problems import (
     random_weights,
     with_weights,
 )
+from moe_overlay.backends.reference import reference_moe
+from moe_overlay.backends.triton_moe import backend as triton_backend
+from moe_overlay.backends.triton_moe import configs
+from moe_overlay.backends.triton_moe.bench import grouped_mm_experts, relative_error
 from moe_overlay.backends.triton_moe.tune import (
     COMPILE_CHUNK,
     REG_BUDGET,

@@ -9,10 +9,7 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends.reference import reference_moe
-from moe_overlay.backends.triton_moe.bench import relative_error
-from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, device_name, is_tuned
-from moe_overlay.backends.triton_moe.problems import (
+from moe_overlay.backends.problems import (
     FP8_MODELS,
     MODELS,
     TOKEN_COUNTS,
@@ -22,6 +19,9 @@ from moe_overlay.backends.triton_moe.problems import (
     random_weights,
     with_weights,
 )
+from moe_overlay.backends.reference import reference_moe
+from moe_overlay.backends.triton_moe.bench import relative_error
+from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, device_name, is_tuned
 from moe_overlay.routing import grouped_topk
 
 pytestmark = pytest.mark.gpu

@@ -61,6 +61,11 @@ class AiterBackend(Backend):
     def kernel_name(self, spec: MoESpec) -> str:
         return self.plan(spec).kernel
 
+    def expert_map_for(self, spec: MoESpec, device: torch.device | str) -> torch.Tensor | None:
+        # AITER takes the global ids and a 0/1 mask of the experts this rank holds.
+        expert_map = spec.expert_map_tensor(device)
+        return None if expert_map is None else (expert_map >= 0).to(torch.int32)
+
     def run(
         self,
         spec: MoESpec,
@@ -71,13 +76,10 @@ class AiterBackend(Backend):
         expert_map: torch.Tensor | None,
     ) -> torch.Tensor:
         plan = self.plan(spec)
-        # AITER takes the global ids and a 0/1 mask of the experts this rank holds.
-        expert_mask = None if expert_map is None else (expert_map >= 0).to(torch.int32)
         return torch.ops.moe_overlay.aiter_fused_moe(
             x, tensors["w13"], tensors["w2"], topk_weights, topk_ids,
-            tensors.get("w13_scale"), tensors.get("w2_scale"), expert_mask,
-            plan.path.quant_type, plan.activation, plan.doweight_stage1,
-            [spec.activation.param(p) for p in plan.activation_params], self.ops_key,
+            tensors.get("w13_scale"), tensors.get("w2_scale"), expert_map,
+            plan.path.quant_type, plan.activation, plan.doweight_stage1, list(plan.activation_values), self.ops_key,
         )
 
 

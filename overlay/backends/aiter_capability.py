@@ -91,7 +91,7 @@ class AiterPlan:
 
     path: AiterPath
     activation: str  # AITER ActivationType member
-    activation_params: tuple[str, ...]  # fused_moe keywords carrying the activation's parameters
+    activation_values: tuple[float, ...]  # the activation's parameters, in ACTIVATION_KEYWORDS' order
     doweight_stage1: bool
     layout: Layout
 
@@ -192,5 +192,6 @@ def aiter_plan(spec: MoESpec, arch: str | None, features: AiterFeatures, env: Ma
         shuffle=path.shuffle,
         mx_scale_shuffle=path.mx_scale_shuffle,
     )
-    aiter_act, params = ACTIVATIONS[spec.activation.kind]
-    return AiterPlan(path, aiter_act, params, spec.apply_router_weight_on_input, layout)
+    aiter_act, keywords = ACTIVATIONS[spec.activation.kind]
+    values = tuple(spec.activation.param(k) for k in keywords)  # our parameter names are AITER's keywords
+    return AiterPlan(path, aiter_act, values, spec.apply_router_weight_on_input, layout)

@@ -16,16 +16,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..backend import Backend, Platform, get_backend, select_backend
 from ..errors import BackendUnavailableError
 from ..prepared import PreparedExperts
-from ..quant import quantize_fp8, quantize_mxfp4
 from ..routing import grouped_topk, sigmoid_top1, softmax_topk
-from ..spec import Activation, MoESpec, QuantSpec
+from ..spec import MoESpec, QuantSpec
+from .problems import model, random_weights
 
 Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (logits, top_k) -> routing
 
@@ -61,38 +61,15 @@ FP8_TENSOR = QuantSpec("fp8", "tensor", activations="fp8_tensor")
 # per-tensor scales over different token sets): their errors do not cancel.
 FP8_TOLERANCE, BF16_TOLERANCE = 0.12, 0.03
 
+MIXTRAL, DEEPSEEK, MAVERICK, KIMI = (model(name).spec for name in ("Mixtral", "DeepSeek-V3", "Maverick", "Kimi-K3"))
 CASES = (
-    Case("Mixtral-8x7B", MoESpec(8, 4096, 1792, 2), _mixtral, BF16_TOLERANCE),
-    Case("Mixtral-8x7B", MoESpec(8, 4096, 1792, 2, quant=FP8_TENSOR), _mixtral, FP8_TOLERANCE),
-    Case("DeepSeek-V3", MoESpec(256, 7168, 256, 8, quant=FP8_BLOCK), _deepseek_v3, FP8_TOLERANCE),
-    Case("Llama-4-Maverick", MoESpec(128, 5120, 1024, 1, apply_router_weight_on_input=True), sigmoid_top1,
-         BF16_TOLERANCE),
-    Case("Llama-4-Maverick", MoESpec(128, 5120, 1024, 1, apply_router_weight_on_input=True, quant=FP8_TOKEN),
-         sigmoid_top1, FP8_TOLERANCE),
-    Case("Kimi-K3", MoESpec(896, 3584, 384, 16, Activation.situ(), quant=QuantSpec("mxfp4")), _kimi,
-         BF16_TOLERANCE),
+    Case("Mixtral-8x7B", MIXTRAL, _mixtral, BF16_TOLERANCE),
+    Case("Mixtral-8x7B", replace(MIXTRAL, quant=FP8_TENSOR), _mixtral, FP8_TOLERANCE),
+    Case("DeepSeek-V3", replace(DEEPSEEK, quant=FP8_BLOCK), _deepseek_v3, FP8_TOLERANCE),
+    Case("Llama-4-Maverick", MAVERICK, sigmoid_top1, BF16_TOLERANCE),
+    Case("Llama-4-Maverick", replace(MAVERICK, quant=FP8_TOKEN), sigmoid_top1, FP8_TOLERANCE),
+    Case("Kimi-K3", replace(KIMI, quant=QuantSpec("mxfp4")), _kimi, BF16_TOLERANCE),
 )
-
-
-def random_experts(spec: MoESpec, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """Canonical expert tensors in `spec`'s quantisation, made one expert at a time (a whole
-    layer in fp32 would not fit beside the reference's work space)."""
-    gen = torch.Generator(device).manual_seed(seed)
-    h, i = spec.hidden_size, spec.intermediate_size
-    parts: dict[str, list[torch.Tensor]] = {}
-    for _ in range(spec.num_local_experts):
-        for name, (n, k) in {"w13": (2 * i, h), "w2": (h, i)}.items():
-            w = torch.randn(1, n, k, generator=gen, device=device) / k**0.5
-            if spec.quant.weights == "fp8":
-                w, scale = quantize_fp8(w, spec.quant)
-                parts.setdefault(f"{name}_scale", []).append(scale)
-            elif spec.quant.weights == "mxfp4":
-                w, scale = quantize_mxfp4(w)
-                parts.setdefault(f"{name}_scale", []).append(scale)
-            else:
-                w = w.to(spec.dtype)
-            parts.setdefault(name, []).append(w)
-    return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
 def _timed_ms(fn: Callable[[], torch.Tensor], iters: int, device: torch.device) -> float:
@@ -140,7 +117,7 @@ class Result:
 def check_case(case: Case, backend: Backend, device: torch.device, tokens: Sequence[int], iters: int,
                seed: int = 0) -> list[Result]:
     spec = case.spec
-    tensors = random_experts(spec, device, seed)
+    tensors = random_weights(spec, device, seed, gain=1.0)
     reference = PreparedExperts(spec, {k: v.clone() for k, v in tensors.items()}, get_backend("torch"))
     experts = PreparedExperts(spec, tensors, backend)
     experts.prepare()

@@ -65,6 +65,16 @@ def situv2(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * linear_beta * torch.tanh(up / linear_beta)
 
 
+@functools.cache
+def _shuffles(arch: str) -> tuple[Shuffle, Shuffle, Shuffle]:
+    """AITER's shuffles as the emulator reads through them, made once per arch: the learned
+    inverses are cached per function object."""
+    shuffle = aiter_reference(arch).shuffle
+    return (functools.partial(shuffle.shuffle_weight, layout=(16, 16)),
+            functools.partial(shuffle.shuffle_weight_a16w4, NLane=16, gate_up=False),
+            functools.partial(shuffle.shuffle_scale_a16w4, experts_cnt=1, gate_up=False))
+
+
 class AiterEmulator:
     """AITER `contract` (a version's signatures and enums) on GPU `arch`, emulated on CPU, in
     environment `env` (AITER reads switches from the process environment at each call)."""
@@ -77,18 +87,13 @@ class AiterEmulator:
         self.features = contract.features()
         self.ref = aiter_reference(arch)
         self._enums = {name: enum.IntEnum(name, members) for name, members in contract.enums.items()}
-        # AITER's shuffles, as made once (the learned inverses are cached per function object)
-        self._plain = functools.partial(self.ref.shuffle.shuffle_weight, layout=(16, 16))
-        self._a16w4 = functools.partial(self.ref.shuffle.shuffle_weight_a16w4, NLane=16, gate_up=False)
-        self._a16w4_scales = functools.partial(self.ref.shuffle.shuffle_scale_a16w4, experts_cnt=1, gate_up=False)
+        self._plain, self._a16w4, self._a16w4_scales = _shuffles(arch)
         self.calls: list[tuple[str, dict[str, Any]]] = []  # every call, as made
 
     # -- the AiterOps interface ---------------------------------------------------------------
 
     def call(self, function: str, **kwargs: Any) -> Any:
-        params = self.contract.functions[function]
-        unknown = sorted(set(kwargs) - set(params))
-        missing = sorted(p for p, default in params.items() if default is None and p not in kwargs)
+        unknown, missing = self.contract.keyword_problems(function, kwargs)
         if unknown or missing:
             raise TypeError(
                 f"AITER {self.contract.version} {function}(): unknown keywords {unknown}, missing {missing}")

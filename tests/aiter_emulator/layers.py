@@ -8,14 +8,12 @@ import torch
 
 import moe_overlay as mo
 from moe_overlay.backends.aiter_backend import AiterBackend
-from moe_overlay.quant import quantize_fp8, quantize_mxfp4
+from moe_overlay.backends.aiter_check import FP8_BLOCK, FP8_TENSOR, FP8_TOKEN
+from moe_overlay.backends.problems import random_weights
 
 from .emulator import AiterEmulator
 from .sources import AiterContract, installed_contract, main_contract
 
-FP8_TENSOR = mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
-FP8_TOKEN = mo.QuantSpec("fp8", "channel", activations="fp8_token")
-FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), activations="fp8_block")
 MXFP4 = mo.QuantSpec("mxfp4")
 
 
@@ -62,18 +60,7 @@ def emulated_backend(arch: str, contract: AiterContract | str = "main",
 
 def random_layer(spec: mo.MoESpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Canonical tensors for `spec`, as nn.Parameters (what a model holds)."""
-    gen = torch.Generator().manual_seed(seed)
-    e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
-    dense = {"w13": torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
-             "w2": torch.randn(e, h, i, generator=gen) / i**0.5}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, w in dense.items():
-        if spec.quant.weights == "fp8":
-            tensors[name], tensors[f"{name}_scale"] = quantize_fp8(w, spec.quant)
-        elif spec.quant.weights == "mxfp4":
-            tensors[name], tensors[f"{name}_scale"] = quantize_mxfp4(w)
-        else:
-            tensors[name] = w.to(spec.dtype)
+    tensors = random_weights(spec, "cpu", seed, gain=1.0)
     return {k: torch.nn.Parameter(v, requires_grad=False) for k, v in tensors.items()}
 
 

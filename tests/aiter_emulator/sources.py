@@ -10,10 +10,12 @@ out of a file with `ast` (the rest of the file, and its `aiter` imports, never r
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -79,6 +81,13 @@ class AiterContract:
     functions: dict[str, dict[str, str | None]]  # function -> {parameter: its default (source), None if none}
     flydsl: bool  # fused_moe can dispatch to FlyDSL kernels
 
+    def keyword_problems(self, function: str, kwargs: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """(keywords `function` does not take, parameters without a default that are not given)."""
+        params = self.functions[function]
+        unknown = sorted(set(kwargs) - set(params))
+        missing = sorted(p for p, default in params.items() if default is None and p not in kwargs)
+        return unknown, missing
+
     def features(self) -> AiterFeatures:
         return AiterFeatures.of(self.version, list(self.enums["ActivationType"]),
                                 list(self.functions["fused_moe"]), self.flydsl)
@@ -94,6 +103,7 @@ def read_contract(root: Path, version: str) -> AiterContract:
     return AiterContract(version, {e: enums[e] for e in AITER_ENUMS}, functions, flydsl)
 
 
+@functools.cache
 def installed_contract() -> AiterContract:
     return read_contract(installed_root(), installed_version())
 
@@ -102,6 +112,7 @@ def main_record() -> dict[str, Any]:
     return json.loads(MAIN_RECORD.read_text())
 
 
+@functools.cache
 def main_contract() -> AiterContract:
     r = main_record()
     return AiterContract(r["version"], r["enums"], r["functions"], r["flydsl"])

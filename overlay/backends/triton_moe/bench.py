@@ -24,7 +24,7 @@ import moe_overlay as mo
 
 from ...activations import apply_gated
 from ...spec import MoESpec
-from .problems import MODELS, ROUTINGS, TOKEN_COUNTS, Floor, floor_for, model, random_calls, random_weights
+from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, Floor, floor_for, model, random_calls, random_weights
 from .timing import graph_replay_seconds
 
 COPY_BYTES = 4 * 2**30  # a device-to-device copy of at least 4 GB

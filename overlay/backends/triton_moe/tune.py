@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...spec import MoESpec
+from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 from .configs import (
     TINY_ROUTES,
     KernelConfig,
@@ -31,7 +32,6 @@ from .configs import (
     read_file,
     resident_k,
 )
-from .problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
 MAX_SPLIT_K = 8
@@ -171,8 +171,8 @@ class Problem:
     def __init__(self, point: Point, routings: int, random: bool) -> None:
         import torch
 
+        from ..problems import empty_weights, random_calls, random_weights
         from . import launch
-        from .problems import empty_weights, random_calls, random_weights
 
         spec, device = point.spec, torch.device("cuda")
         self.point = point

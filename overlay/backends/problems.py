@@ -1,6 +1,6 @@
-"""The problems the Triton backend is checked, tuned and measured on: the four models' MoE
-layers as one GPU holds them under 8-way tensor parallelism, seeded random routings and
-weights, and the hardware floor of each point."""
+"""The problems the backends are checked, tuned and measured on: the four models' MoE layers
+as one GPU holds them under 8-way tensor parallelism, seeded random routings and weights,
+and the hardware floor of each point."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...checks import canonical_shapes
-from ...quant import quantize_fp8
-from ...spec import Activation, MoESpec, QuantSpec
+from ..checks import canonical_shapes
+from ..quant import quantize_fp8, quantize_mxfp4
+from ..spec import Activation, MoESpec, QuantSpec
 
 TOKEN_COUNTS = (1, 16, 128, 1024, 8192)
 ROUTINGS = 4  # routings per timed call, run back to back, so that weights come from HBM, not the L2
@@ -59,19 +59,28 @@ def random_routing(
     return weights / weights.sum(dim=1, keepdim=True), ids
 
 
-def random_weights(spec: MoESpec, device: torch.device | str, seed: int) -> dict[str, torch.Tensor]:
-    """Canonical expert tensors, scaled so that activations stay O(1) through both GEMMs."""
+def random_weights(
+    spec: MoESpec, device: torch.device | str, seed: int, gain: float = 2.0
+) -> dict[str, torch.Tensor]:
+    """Canonical expert tensors in `spec`'s quantisation, entries ~ N(0, gain^2 / K) (activations
+    stay O(1) through both GEMMs), made one expert at a time so that a large layer needs no
+    fp32 copy of itself."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
-    tensors = {}
-    for name, (n, k) in {"w13": (2 * i, h), "w2": (h, i)}.items():
-        w = torch.randn(e, n, k, generator=gen, device=device, dtype=spec.dtype).mul_(k**-0.5 * 2)
-        if spec.quant.weights == "fp8":
-            tensors[name], tensors[f"{name}_scale"] = quantize_fp8(w, spec.quant)
-        else:
-            tensors[name] = w
-        del w
-    return tensors
+    h, i = spec.hidden_size, spec.intermediate_size
+    parts: dict[str, list[torch.Tensor]] = {}
+    for _ in range(spec.num_local_experts):
+        for name, (n, k) in {"w13": (2 * i, h), "w2": (h, i)}.items():
+            w = torch.randn(1, n, k, generator=gen, device=device).mul_(gain * k**-0.5)
+            if spec.quant.weights == "fp8":
+                w, scale = quantize_fp8(w, spec.quant)
+                parts.setdefault(f"{name}_scale", []).append(scale)
+            elif spec.quant.weights == "mxfp4":
+                w, scale = quantize_mxfp4(w)
+                parts.setdefault(f"{name}_scale", []).append(scale)
+            else:
+                w = w.to(spec.dtype)
+            parts.setdefault(name, []).append(w)
+    return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
 def empty_weights(spec: MoESpec, device: torch.device | str) -> dict[str, torch.Tensor]:
