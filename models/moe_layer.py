@@ -23,11 +23,9 @@ from vllm.platforms import current_platform
 
 import moe_overlay as mo
 
+from ..patches.plugin import BACKEND_ENV, STRICT_ENV
 from .describe_table import format_table
 from .vllm_backend import VllmBackend, upstream_kernel_name
-
-BACKEND_ENV = "MOE_OVERLAY_BACKEND"
-STRICT_ENV = "MOE_OVERLAY_STRICT"
 
 
 class NotMapped(Exception):

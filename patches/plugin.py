@@ -12,6 +12,9 @@ import sys
 from . import ledger
 
 DISABLE_ENV = "MOE_OVERLAY_DISABLE"
+BACKEND_ENV = "MOE_OVERLAY_BACKEND"  # auto, or a backend name, for every overlay MoE layer
+STRICT_ENV = "MOE_OVERLAY_STRICT"  # 1: a layer the requested backend cannot run is an error
+RPC_METHOD = "moe_overlay_describe"  # the worker method that /v1/moe gathers through collective_rpc
 # Architecture name -> the overlay class that replaces upstream's, imported lazily by vLLM.
 ARCHITECTURES = {
     "MixtralForCausalLM": "moe_overlay.models.mixtral:OverlayMixtralForCausalLM",
@@ -24,18 +27,22 @@ def _say(message: str) -> None:
     print(f"[moe-overlay] pid {os.getpid()}: {message}", file=sys.stderr, flush=True)
 
 
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "0") == "1"
+
+
 def register() -> None:
     """Entry point of the `vllm.general_plugins` group."""
     global _installed_in_pid
     if _installed_in_pid == os.getpid():
         return
     _installed_in_pid = os.getpid()
-    if os.environ.get(DISABLE_ENV, "0") == "1":
+    if disabled():
         _say(f"disabled by {DISABLE_ENV}=1: vLLM runs stock")
         return
     ledger.check()
     _install()
-    backend = os.environ.get("MOE_OVERLAY_BACKEND", "auto")
+    backend = os.environ.get(BACKEND_ENV, "auto")
     _say(f"plugin active (backend {backend}; architectures {', '.join(ARCHITECTURES)})")
 
 
@@ -60,4 +67,4 @@ def _install() -> None:
     def moe_overlay_describe(self) -> list[dict]:
         return describe_rows()
 
-    WorkerBase.moe_overlay_describe = moe_overlay_describe  # type: ignore[attr-defined]
+    setattr(WorkerBase, RPC_METHOD, moe_overlay_describe)

@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+from ..patches.plugin import DISABLE_ENV
 from .builtin_models import ensure_builtin
 from .config import load
 from .harness import Server, serve
 
 VARIANTS = {  # name -> (environment, extra serve arguments)
-    "stock vLLM": ({"MOE_OVERLAY_DISABLE": "1"}, ()),
+    "stock vLLM": ({DISABLE_ENV: "1"}, ()),
     "overlay, backend vllm": ({}, ("--backend", "vllm")),
     "overlay, backend torch": ({}, ("--backend", "torch")),
 }

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..patches.plugin import BACKEND_ENV, STRICT_ENV
+
 BACKENDS = ("auto", "torch", "vllm", "aiter", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BUILTIN_PREFIX = "builtin:"
@@ -85,7 +87,7 @@ class Deployment:
 
     def environment(self, state_dir: Path) -> dict[str, str]:
         """What the server process gets on top of the caller's environment."""
-        env = {"MOE_OVERLAY_BACKEND": self.backend, "MOE_OVERLAY_STRICT": "1" if self.strict else "0",
+        env = {BACKEND_ENV: self.backend, STRICT_ENV: "1" if self.strict else "0",
                "VLLM_PLUGINS": ",".join(PLUGINS), "VLLM_CACHE_ROOT": str(state_dir / "cache" / "vllm")}
         env.update(self.env)
         return env

@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-RPC_METHOD = "moe_overlay_describe"
+from ..patches.plugin import DISABLE_ENV, RPC_METHOD
+
 RPC_TIMEOUT_S = 30.0
 
 
@@ -37,7 +38,7 @@ class MoEEndpoint:
         except Exception as err:  # the engine answers NotImplementedError when the overlay is off
             return JSONResponse(
                 {"error": f"moe-overlay is not active in the engine ({type(err).__name__}: {err}); "
-                          "it is off when MOE_OVERLAY_DISABLE=1 or VLLM_PLUGINS omits moe_overlay"},
+                          f"it is off when {DISABLE_ENV}=1 or VLLM_PLUGINS omits moe_overlay"},
                 status_code=503,
             )
         layers = [{"worker": rank, **row} for rank, rows in enumerate(per_worker) for row in rows]

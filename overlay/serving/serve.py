@@ -35,9 +35,11 @@ def _port_problem(host: str, port: int) -> str | None:
 
 def _contract_problem() -> str | None:
     """The overlay's hooks must match the installed vLLM before anything starts."""
-    if os.environ.get("MOE_OVERLAY_DISABLE", "0") == "1":
-        return None
     from ..patches.ledger import ContractDriftError, check
+    from ..patches.plugin import disabled
+
+    if disabled():
+        return None
 
     try:
         check()
