@@ -51,10 +51,11 @@ class Expect:
         if self.params is not None:
             if not callable(obj):
                 return f"{self.symbol}: expected a callable, found {type(obj).__name__}"
-            found = _param_names(obj)
+            params = list(inspect.signature(obj).parameters.values())  # type: ignore[arg-type]
+            found = tuple(p.name for p in params)
             lead = found[: len(self.params)]
             extra_required = [
-                p.name for p in list(inspect.signature(obj).parameters.values())[len(self.params):]
+                p.name for p in params[len(self.params):]
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
             ]
             if lead != self.params or extra_required:
@@ -73,10 +74,6 @@ class Expect:
             if not (isinstance(obj, type) and isinstance(base, type) and issubclass(obj, base)):
                 return f"{self.symbol}: expected a subclass of {self.subclass_of}, found {obj!r}"
         return None
-
-
-def _param_names(obj: object) -> tuple[str, ...]:
-    return tuple(inspect.signature(obj).parameters)  # type: ignore[arg-type]
 
 
 def vllm_version() -> str:

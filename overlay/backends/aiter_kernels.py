@@ -27,7 +27,7 @@ def _handed_over(w: torch.Tensor, fp4: torch.dtype | None) -> torch.Tensor:
     return alias
 
 
-def _aiter_scale(s: torch.Tensor | None, quant_type: str, e8m0: torch.dtype) -> torch.Tensor | None:
+def _aiter_scale(s: torch.Tensor | None, quant_type: str, e8m0: torch.dtype | None) -> torch.Tensor | None:
     """Prepared scales (canonical shapes, mxfp4 ones shuffled) -> the shapes AITER reads."""
     if s is None:
         return None
@@ -57,8 +57,7 @@ def aiter_fused_moe(
     ops_key: str,
 ) -> torch.Tensor:
     ops = bound_ops(ops_key)
-    fp4 = ops.dtype("fp4x2") if quant_type == "per_1x32" else None
-    e8m0 = ops.dtype("fp8_e8m0")
+    fp4, e8m0 = (ops.dtype("fp4x2"), ops.dtype("fp8_e8m0")) if quant_type == "per_1x32" else (None, None)
     kwargs = {
         "hidden_states": x,
         "w1": _handed_over(w13, fp4),

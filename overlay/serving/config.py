@@ -36,13 +36,14 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     "vllm": {},  # free-form: any other `vllm serve` flag
     "env": {},  # free-form: environment variables for the server
 }
-# vllm flags that a section above owns: setting them twice would be ambiguous.
+# vllm flags that a section above owns (setting them twice would be ambiguous) -> (its key
+# in the file, the Deployment field that holds its value)
 OWNED_FLAGS = {
-    "model": "model.path", "served-model-name": "model.name", "dtype": "model.dtype",
-    "max-model-len": "model.max_model_len", "quantization": "model.quantization",
-    "host": "server.host", "port": "server.port", "tensor-parallel-size": "parallel.tensor",
-    "pipeline-parallel-size": "parallel.pipeline", "data-parallel-size": "parallel.data",
-    "enable-expert-parallel": "parallel.expert",
+    "model": ("model.path", "model"), "served-model-name": ("model.name", "name"), "dtype": ("model.dtype", "dtype"),
+    "max-model-len": ("model.max_model_len", "max_model_len"), "quantization": ("model.quantization", "quantization"),
+    "host": ("server.host", "host"), "port": ("server.port", "port"),
+    "tensor-parallel-size": ("parallel.tensor", "tensor"), "pipeline-parallel-size": ("parallel.pipeline", "pipeline"),
+    "data-parallel-size": ("parallel.data", "data"), "enable-expert-parallel": ("parallel.expert", "expert"),
 }
 AITER_MASTER = "VLLM_ROCM_USE_AITER"
 AITER_MOE = "VLLM_ROCM_USE_AITER_MOE"
@@ -73,16 +74,13 @@ class Deployment:
     env: dict[str, str] = field(default_factory=dict)
 
     def argv(self, python: str) -> list[str]:
-        args = [python, "-m", SERVER_MODULE, "--model", self.model, "--served-model-name", self.name,
-                "--dtype", self.dtype, "--host", self.host, "--port", str(self.port),
-                "--tensor-parallel-size", str(self.tensor), "--pipeline-parallel-size", str(self.pipeline),
-                "--data-parallel-size", str(self.data)]
-        if self.expert:
-            args.append("--enable-expert-parallel")
-        if self.max_model_len is not None:
-            args += ["--max-model-len", str(self.max_model_len)]
-        if self.quantization is not None:
-            args += ["--quantization", self.quantization]
+        args = [python, "-m", SERVER_MODULE]
+        for flag, (_, attribute) in OWNED_FLAGS.items():
+            value = getattr(self, attribute)
+            if value is True:  # a switch
+                args.append(f"--{flag}")
+            elif value is not None and value is not False:
+                args += [f"--{flag}", str(value)]
         return args + self.extra_flags
 
     def environment(self, state_dir: Path) -> dict[str, str]:
@@ -125,7 +123,7 @@ def _flag_args(source: Path, flags: dict[str, Any]) -> list[str]:
     for key, value in flags.items():
         flag = str(key).lstrip("-").replace("_", "-")
         if flag in OWNED_FLAGS:
-            raise _fail(source, f"vllm.{key}", f"set it as {OWNED_FLAGS[flag]} instead")
+            raise _fail(source, f"vllm.{key}", f"set it as {OWNED_FLAGS[flag][0]} instead")
         if value is True:
             args.append(f"--{flag}")
         elif value is False:
@@ -143,11 +141,11 @@ def _flag_args(source: Path, flags: dict[str, Any]) -> list[str]:
 
 def _env(source: Path, raw: dict[str, Any], backend: str) -> dict[str, str]:
     env: dict[str, str] = {}
-    for key, value in raw.items():
+    for name, value in raw.items():
+        key = str(name)
         if not isinstance(value, str | int | float | bool):
             raise _fail(source, f"env.{key}", f"must be a string or number, got {value!r}")
-        env[str(key)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
-    for key in env:
+        env[key] = ("1" if value else "0") if isinstance(value, bool) else str(value)
         if key.startswith("MOE_OVERLAY_"):
             raise _fail(source, f"env.{key}", "is set by moe-overlay itself: use the moe: section")
         if key == "VLLM_PLUGINS":
