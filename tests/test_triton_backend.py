@@ -3,6 +3,7 @@ planning, the benchmark's floor and its torch._grouped_mm peer (the kernels: tes
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -208,6 +209,33 @@ def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
     assert configs.is_tuned(table, "GPU", shape) and not configs.is_tuned(table, "Other GPU", shape)
 
 
+def test_blocks_of_three_row_tiles_are_split_and_others_refused(tmp_path):
+    assert [configs.row_tiles(b) for b in (16, 64, 128, 48, 96, 192)] == [
+        (16, 0), (64, 0), (128, 0), (32, 16), (64, 32), (128, 64)]
+    assert [configs.down_tile(b) for b in (64, 192)] == [64, 64]
+    for bad in (8, 24, 80, 100, 160):
+        with pytest.raises(ValueError, match=f"block_m must be .* got {bad}"):
+            configs.row_tiles(bad)
+    path = _write(tmp_path / "odd.json", {"GPU": {"A": {"64": _entry(80)}}})
+    with pytest.raises(ValueError, match=r"odd.json: entry GPU / A / 64 .*got 80"):
+        configs.read_file(path)
+
+
+def test_three_tile_blocks_are_tried_for_bf16_experts_they_hold_and_fp8_falls_back_to_one(tmp_path, monkeypatch):
+    kimi = configs.LayerShape.of(next(m.spec for m in MODELS if m.name == "Kimi-K3"))  # 146 routes per expert
+    assert block_m_candidates(kimi, 8192) == [64, 128, 192]
+    assert 192 not in block_m_candidates(replace(kimi, weights="fp8-block"), 8192)
+    assert block_m_candidates(kimi, 16) == [16, 32]  # a route or two per expert: powers of two only
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"512": _entry(192)} for s in shapes}})))
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    assert (bf16.block_m, fp8.block_m) == (192, 128)
+
+
 def test_bad_config_files_are_named(tmp_path):
     bad = _write(tmp_path / "bad.json", {"GPU": {"A": {"many": _entry(16)}}})
     with pytest.raises(ValueError, match=r"bad.json: entry GPU / A / many"):
@@ -241,8 +269,9 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
     for point in points_from_args(build_parser().parse_args(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
         for c in candidates(point, 227 * 1024):
             assert c.gate_up and c.down
-            for cfg, tiles in [(g, 2) for g in c.gate_up] + [(d, 1) for d in c.down]:
-                assert tiles * c.block_m * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
+            rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
+            for cfg, kind, tiles in [(g, "gate_up", 2) for g in c.gate_up] + [(d, "down", 1) for d in c.down]:
+                assert tiles * rows[kind] * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
                 assert cfg.block_k == 128 or not point.shape.fp8
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
 
@@ -259,7 +288,7 @@ def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
             splits = {g.split_k for g in c.gate_up}
             assert compiled == {("gate_up", g, 1) for g in c.gate_up} | {("down", d, s) for d in c.down
                                                                          for s in splits}
-    assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8}  # M=1 is tiny
+    assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8, 16}  # M=1 is tiny
 
 
 def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_chip():
@@ -270,7 +299,7 @@ def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_
 
     kimi = [(m, d) for m, d in downs("Kimi-K3") if d.n_split]
     assert kimi and {d.n_split for _, d in kimi} == {1, 2, 4} and all(d.block_k == 256 + 128 for _, d in kimi)
-    assert all((m + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
+    assert all((configs.down_tile(m) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
     assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
     assert not any(d.n_split for _, d in downs("DeepSeek-V3", "fp8-block"))
     assert [configs.resident_k(i) for i in (256, 384, 72, 100)] == [(256, 0), (256, 128), (64, 16), (64, 64)]

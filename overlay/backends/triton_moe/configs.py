@@ -25,6 +25,7 @@ from ...spec import MoESpec
 SHIPPED_DIR = Path(__file__).parent / "configs"
 USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
 TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
+MIN_TILE_M = 16  # a dot's least M
 
 Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
@@ -42,11 +43,15 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """BLOCK_M is shared: the sort pads each expert to it and both GEMMs walk its blocks."""
+    """BLOCK_M is shared: the sort pads each expert to it and both GEMMs walk its blocks. It
+    is a power of two or three times one (row_tiles)."""
 
     block_m: int
     gate_up: KernelConfig
     down: KernelConfig
+
+    def __post_init__(self) -> None:
+        row_tiles(self.block_m)  # raises for a block the kernels cannot split into row tiles
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +59,23 @@ class LaunchConfig:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LaunchConfig:
         return cls(int(data["block_m"]), KernelConfig(**data["gate_up"]), KernelConfig(**data["down"]))
+
+
+def row_tiles(block_m: int) -> tuple[int, int]:
+    """The gate/up kernel's two row tiles for a block (dots need power-of-two rows): the block
+    itself, or for three times a power of two its first 2/3 and last 1/3, which share each
+    weight tile (the second is 0 when there is none)."""
+    if block_m >= MIN_TILE_M and block_m & (block_m - 1) == 0:
+        return block_m, 0
+    third = block_m // 3
+    if third * 3 != block_m or third < MIN_TILE_M or third & (third - 1):
+        raise ValueError(f"block_m must be a power of two or three times one, at least {MIN_TILE_M}; got {block_m}")
+    return 2 * third, third
+
+
+def down_tile(block_m: int) -> int:
+    """The down kernels' rows per program: the block, or a third of it (a program each)."""
+    return row_tiles(block_m)[1] or block_m
 
 
 def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:
@@ -187,8 +209,10 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16)
-        config = replace(config, gate_up=replace(config.gate_up, block_k=128),
+    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16);
+        # one row tile (the second is in the interleaved loop only)
+        config = replace(config, block_m=1 << (config.block_m.bit_length() - 1),
+                         gate_up=replace(config.gate_up, block_k=128),
                          down=replace(config.down, block_k=128, n_split=0))
     return config
 

@@ -7,7 +7,10 @@ required for fp8) and MFMA read as is; gate and up are two B tiles of one progra
 activation is applied in registers and only `[routes, I]` reaches memory.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
-- general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of BLOCK_M;
+- general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of
+  BLOCK_M rows; BLOCK_M is a power of two or three times one (48, 96, 192: an expert's 146 routes fit one block
+  of 192 where 256 would pad them by 75%), and a program computes its rows as dots of power-of-two row tiles
+  (gate/up: 2/3 and 1/3 of the block against one weight tile; down: a program per third);
 - tiny mode (at most BLOCK_M routes, e.g. one decode token): no sort; the program of route
   slot s takes every route that goes to the same expert as s, and only the first such slot
   runs, so each expert's weights are read once.
@@ -103,16 +106,18 @@ def _local_expert(ids_ptr, map_ptr, offs, mask, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M: tl.constexpr):
-    """General mode: (expert, route ids, row mask, buffer rows) of M block `pid_m`; expert
-    -1 for blocks past the padded total. Buffer rows (the `[.., I]` intermediate) are the
-    padded sorted positions."""
-    offs = tl.arange(0, BLOCK_M)
+def _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M: tl.constexpr,
+                 first, TILE_M: tl.constexpr):
+    """General mode: (expert, route ids, row mask, buffer rows) of rows first .. first + TILE_M
+    of M block `pid_m`; expert -1 for blocks past the padded total and tiles with no route.
+    Buffer rows (the `[.., I]` intermediate) are the padded sorted positions."""
+    offs = pid_m * BLOCK_M + first + tl.arange(0, TILE_M)
     busy = pid_m * BLOCK_M < tl.load(num_padded_ptr)
-    expert = tl.where(busy, tl.load(block_expert_ptr + pid_m, mask=busy, other=-1), -1)
-    rows = offs < tl.load(block_rows_ptr + pid_m, mask=busy, other=0)
-    routes = tl.load(sorted_ptr + pid_m * BLOCK_M + offs, mask=rows, other=0)
-    return expert, routes, rows, pid_m * BLOCK_M + offs
+    count = tl.load(block_rows_ptr + pid_m, mask=busy, other=0) - first
+    expert = tl.where(busy & (count > 0), tl.load(block_expert_ptr + pid_m, mask=busy, other=-1), -1)
+    rows = tl.arange(0, TILE_M) < count
+    routes = tl.load(sorted_ptr + offs, mask=rows, other=0)
+    return expert, routes, rows, offs
 
 
 @triton.jit
@@ -180,24 +185,39 @@ def _activate(gate, up, beta, linear_beta, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_interleaved(a_ptrs, w_ptr, rows, pid_n, k_first, k_last, inter, hidden, stride_wn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, rows, rows2, pid_n, k_first, k_last, inter, hidden, stride_wn,
+                         TILE_M: tl.constexpr, TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over row-interleaved weights (row 2n: gate n, row 2n+1: up n): one dot of
     2*BLOCK_N columns instead of two of BLOCK_N (fuller tensor-core instructions, A read
-    from shared memory once), split into (gate, up) fp32 afterwards, in registers."""
+    from shared memory once); with TILE_M2 > 0 a second row tile shares each weight tile, so
+    the weights cross the L2 once per block (what bounds this loop at large M). Accumulators
+    stay interleaved (see _split_gate_up)."""
     offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ok = offs_w < 2 * inter
     w_ptrs = w_ptr + offs_w[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([TILE_M, 2 * BLOCK_N], dtype=tl.float32)
+    acc2 = acc  # stands in when there is no second tile
+    if TILE_M2 > 0:
+        acc2 = tl.zeros([TILE_M2, 2 * BLOCK_N], dtype=tl.float32)
     for k in range(k_first, k_last):
         k_ok = offs_k < hidden - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc)
+        if TILE_M2 > 0:
+            a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
+            acc2 = tl.dot(a2, w, acc2)
+            a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    return tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    return acc, acc2
+
+
+@triton.jit
+def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(gate, up) of an interleaved accumulator, in registers."""
+    return tl.split(tl.reshape(acc, [TILE_M, BLOCK_N, 2]))
 
 
 @triton.jit
@@ -238,19 +258,21 @@ def gate_up_kernel(
     beta, linear_beta,
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
     columns of I; `w` is `[E, 2I, H]`, gate rows then up rows, or row-interleaved (INTERLEAVED:
-    bf16/fp16, see _gate_up_interleaved). Tiny mode splits K over program_id(1) (a single
-    expert's GEMV needs more programs than its N tiles give) and stores fp32 gate and up
-    partials, `out[split, route, 2I]`, for the down kernel."""
+    bf16/fp16, see _gate_up_interleaved; the only one with a second row tile, TILE_M2 > 0).
+    Tiny mode splits K over program_id(1) (a single expert's GEMV needs more programs than its
+    N tiles give) and stores fp32 gate and up partials, `out[split, route, 2I]`, for the down
+    kernel."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if TINY:
-        expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M)
+        expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, TILE_M)
     else:
         expert, routes, rows, buffer_rows = _sorted_rows(
-            pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+            pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M, 0, TILE_M)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,16 +281,40 @@ def gate_up_kernel(
     per_split = tl.cdiv(k_steps, tl.num_programs(1))
     k_first = tl.program_id(1) * per_split
     k_last = tl.minimum(k_first + per_split, k_steps)
-    a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + k_first * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
     w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     if INTERLEAVED:
-        acc_gate, acc_up = _gate_up_interleaved(a_ptrs, w_expert, rows, pid_n, k_first, k_last, inter, hidden,
-                                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+        routes2, rows2, buffer_rows2, a2_ptrs = routes, rows, buffer_rows, a_ptrs  # stand-ins: no second tile
+        if TILE_M2 > 0:
+            _, routes2, rows2, buffer_rows2 = _sorted_rows(
+                pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M, TILE_M, TILE_M2)
+            a2_ptrs = x_ptr + (routes2 // top_k)[:, None] * stride_xm + offs_k[None, :]
+        acc, acc2 = _gate_up_interleaved(a_ptrs, a2_ptrs, w_expert, rows, rows2, pid_n, k_first, k_last, inter,
+                                         hidden, stride_wn, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
+        acc_gate, acc_up = _split_gate_up(acc, TILE_M, BLOCK_N)
+        if TILE_M2 > 0:
+            gate2, up2 = _split_gate_up(acc2, TILE_M2, BLOCK_N)
+            _gate_up_store(gate2, up2, routes2, rows2, buffer_rows2, offs_n, n_ok, scale_base, topk_weights_ptr,
+                           out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                           TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
     else:
         acc_gate, acc_up = _gate_up_pair(a_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first, k_last,
                                          inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX,
-                                         BLOCK_M, BLOCK_N, BLOCK_K)
+                                         TILE_M, BLOCK_N, BLOCK_K)
+    _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
+                   out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                   TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
+
+
+@triton.jit
+def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
+                   out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                   TINY: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   W_QUANT: tl.constexpr):
+    """A row tile's epilogue: weight scales, the router weight on the input, then the
+    activation stored by buffer row, or (tiny mode) the fp32 partials."""
     if W_QUANT == W_TENSOR:
         acc_gate *= tl.load(scale_base)
         acc_up *= tl.load(scale_base)
@@ -297,13 +343,16 @@ def down_kernel(
     num_blocks_m, hidden, inter,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
-    (the final output itself when top_k is 1)."""
+    (the final output itself when top_k is 1). A program per TILE_M rows of a block
+    (`num_blocks_m` counts those) and BLOCK_N columns."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
-    expert, routes, rows, buffer_rows = _sorted_rows(
-        pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
+                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
+                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -313,12 +362,12 @@ def down_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     block_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_scale = tl.zeros([TILE_M], dtype=tl.float32)
         if W_QUANT != W_NONE:
             a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
         acc = _mma_step(acc, a, a_scale, w, block_scale_ptrs + k, W_QUANT)
@@ -338,16 +387,17 @@ def down_resident_kernel(
     num_blocks_m, hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
 ):
     """down_kernel for bf16/fp16 with a small I (K_LO + K_HI >= I, powers of two; K_HI may
-    be 0): the program's activation block `[BLOCK_M, I]` is loaded once, then multiplied by
-    its share of the N tiles in turn (N_SPLIT programs per M block), so only weight tiles
+    be 0): the program's activation tile `[TILE_M, I]` is loaded once, then multiplied by
+    its share of the N tiles in turn (N_SPLIT programs per row tile), so only weight tiles
     stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
     Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
-    expert, routes, rows, buffer_rows = _sorted_rows(
-        pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M)
+    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
+                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
+                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
     if expert < 0:
         return
     offs_lo = tl.arange(0, K_LO)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import kernels
-from .configs import LaunchConfig, LayerShape, is_tiny, launch_config, resident_k, weights_tag
+from .configs import LaunchConfig, LayerShape, down_tile, is_tiny, launch_config, resident_k, row_tiles, weights_tag
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
@@ -132,6 +132,7 @@ def gate_up(
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
+    tile_m, tile_m2 = row_tiles(config.block_m)
     _launch(
         kernels.gate_up_kernel, grid,
         x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
@@ -141,7 +142,8 @@ def gate_up(
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
-        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2 if layer.shape.interleaved else 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -157,18 +159,25 @@ def down(
         return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
-    grid = (alignment.num_blocks * triton.cdiv(layer.shape.hidden, cfg.block_n),)
+    tile_m, tiles_m = _down_row_tiles(config, alignment)
+    grid = (tiles_m * triton.cdiv(layer.shape.hidden, cfg.block_n),)
     _launch(
         kernels.down_kernel, grid,
         a, w2, scale, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
-        alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
+        tiles_m, layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
         FP8=fp8, FP8_MAX=fp8_max,
-        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[int, int]:
+    """(rows per down program, row tiles in all): a block is one tile, or three (down_tile)."""
+    tile_m = down_tile(config.block_m)
+    return tile_m, alignment.num_blocks * (config.block_m // tile_m)
 
 
 def _down_resident(
@@ -177,14 +186,15 @@ def _down_resident(
 ) -> None:
     cfg = config.down
     k_low, k_high = resident_k(layer.shape.inter)
+    tile_m, tiles_m = _down_row_tiles(config, alignment)
     _launch(
-        kernels.down_resident_kernel, (alignment.num_blocks * cfg.n_split,),
+        kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
         a, w2, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
         alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, N_SPLIT=cfg.n_split,
-        BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
+        BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -27,6 +27,7 @@ from .configs import (
     LaunchConfig,
     LayerShape,
     default_config,
+    down_tile,
     is_tiny,
     merge,
     read_file,
@@ -34,7 +35,7 @@ from .configs import (
 )
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
-MAX_SPLIT_K = 8
+MAX_SPLIT_K = 16
 RESIDENT_MAX_I = 512  # beyond, a program per output tile already has enough K steps to pipeline
 COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
 COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
@@ -84,10 +85,19 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
 
 
 def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
+    """The default block and the next larger one; for bf16/fp16 also the smallest block of
+    three row tiles (48, 96, 192) that holds an expert's routes with room to spare, which
+    crosses the L2 with each weight tile once where powers of two would pad a lot or
+    split the expert in two."""
     if is_tiny(tokens, shape.top_k):
         return [TINY_ROUTES]
     block_m = default_config(shape, tokens).block_m
-    return [block_m, block_m * 2] if block_m < 128 else [64, 128]
+    blocks = [block_m, block_m * 2] if block_m < 128 else [64, 128]
+    per_expert = tokens * shape.top_k / shape.experts
+    three_tiles = next((b for b in (48, 96, 192) if b >= 1.15 * per_expert), None)
+    if shape.interleaved and per_expert >= 32 and three_tiles:
+        blocks.append(three_tiles)
+    return blocks
 
 
 def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> bool:
@@ -112,8 +122,9 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy."""
-    block_ks = (128,) if fp8 else (128, 256)
-    grid = [KernelConfig(n, k, 4, 4, split_k=s) for n in (16, 32, 64) for k in block_ks for s in (1, 2, 4, MAX_SPLIT_K)]
+    block_ks = (128,) if fp8 else (64, 128, 256)
+    grid = [KernelConfig(n, k, 4, stages, split_k=s) for n in (16, 32, 64) for k in block_ks for stages in (4, 6)
+            for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
 
 
@@ -157,7 +168,8 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
         return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
                            down_tiny_candidates(fp8, top_k, inter))]
     return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
-                       gemm_candidates(b, fp8, 1, smem_bytes) + resident_down_candidates(b, fp8, inter, smem_bytes))
+                       gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
+                       + resident_down_candidates(down_tile(b), fp8, inter, smem_bytes))
             for b in block_m_candidates(point.shape, point.tokens)]
 
 
