@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 
-def graph_replay_seconds(fn: Callable[[], object], replays: int = 10, warmup: int = 3) -> float:
+def graph_replay_seconds(fn: Callable[[], object], replays: int = 10, warmup_s: float = 0.025,
+                         min_timed_s: float = 0.02) -> float:
     """Median seconds of one replay of a CUDA graph that holds one call of `fn`.
 
     `fn` runs once eagerly first (compiles kernels, settles allocations), so it must be safe
-    to call repeatedly. Graph replays keep launch gaps out of small problems' times.
+    to call repeatedly. Graph replays keep launch gaps out of small problems' times. The
+    warm-up replays for at least `warmup_s` of wall time, so that the clocks have settled
+    (a few replays of a 60 us graph left them low), and at least `replays` replays, more for
+    short graphs (`min_timed_s` in all), are timed.
     """
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(warmup):
-        graph.replay()
+    batch = 1
+    while True:  # batches of doubling size, back to back on the GPU, until one lasts warmup_s
+        started = time.perf_counter()
+        for _ in range(batch):
+            graph.replay()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        if elapsed >= warmup_s:
+            break
+        batch *= 2
+    replays = max(replays, math.ceil(min_timed_s / (elapsed / batch)))
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in marks:
         start.record()

@@ -110,21 +110,25 @@ def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> boo
 def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> list[KernelConfig]:
     """gate/up (two B tiles per program: gate and up, or one interleaved tile twice as wide)
     or down (one): narrow tiles for weight streaming (small blocks), big ones for the tensor
-    cores (large blocks)."""
-    block_ks = (128,) if fp8 else (64, 128, 256)
+    cores (large blocks), down to stages small enough for two programs per multiprocessor
+    (one's epilogue then overlaps the other's main loop)."""
     if block_m <= 32:
+        block_ks = (128,) if fp8 else (64, 128, 256)
         grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in (3, 4)]
     else:
-        grid = [KernelConfig(n, k, w, s, 8) for n in (64, 128, 256) for k in block_ks[:2] for w in (4, 8)
+        block_ks = (128,) if fp8 else (32, 64, 128)
+        grid = [KernelConfig(n, k, w, s, 8) for n in (32, 64, 128, 256) for k in block_ks for w in (4, 8)
                 for s in (3, 4)]
     return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
 
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
-    """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy."""
+    """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
+    (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
-    grid = [KernelConfig(n, k, 4, stages, split_k=s) for n in (16, 32, 64) for k in block_ks for stages in (4, 6)
-            for s in (1, 2, 4, 8, MAX_SPLIT_K)]
+    block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
+    grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4, 8)
+            for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
 
 
@@ -272,7 +276,7 @@ def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) 
     best: tuple[KernelConfig, float] | None = None
     for cfg in cfgs:
         try:
-            seconds = graph_replay_seconds(lambda cfg=cfg: run(cfg), replays=5, warmup=2)
+            seconds = graph_replay_seconds(lambda cfg=cfg: run(cfg), replays=5, warmup_s=0.01, min_timed_s=0.005)
         except Exception:
             continue
         if best is None or seconds < best[1]:
