@@ -212,10 +212,7 @@ def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
 def test_blocks_of_three_row_tiles_are_split_and_others_refused(tmp_path):
     assert [configs.row_tiles(b) for b in (16, 64, 128, 48, 96, 192)] == [
         (16, 0), (64, 0), (128, 0), (32, 16), (64, 32), (128, 64)]
-    resident, tiled = configs.KernelConfig(64, 384, 4, 2, n_split=1), configs.KernelConfig(64, 64, 4, 2)
-    assert [configs.down_tiles(b, resident) for b in (64, 192)] == [(64, 0), (128, 64)]  # all rows at once
-    thirds = replace(resident, per_third=True)
-    assert [configs.down_tiles(192, c) for c in (thirds, tiled)] == [(64, 0), (64, 0)]
+    assert [configs.down_tile(b) for b in (64, 192)] == [64, 64]
     for bad in (8, 24, 80, 100, 160):
         with pytest.raises(ValueError, match=f"block_m must be .* got {bad}"):
             configs.row_tiles(bad)
@@ -272,10 +269,9 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
     for point in points_from_args(build_parser().parse_args(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
         for c in candidates(point, 227 * 1024):
             assert c.gate_up and c.down
-            rows = [(g, 2 * c.block_m) for g in c.gate_up]
-            rows += [(d, sum(configs.down_tiles(c.block_m, d))) for d in c.down]
-            for cfg, tile_rows in rows:
-                assert tile_rows * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
+            rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
+            for cfg, kind, tiles in [(g, "gate_up", 2) for g in c.gate_up] + [(d, "down", 1) for d in c.down]:
+                assert tiles * rows[kind] * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
                 assert cfg.block_k == 128 or not point.shape.fp8
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
 
@@ -303,9 +299,7 @@ def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_
 
     kimi = [(m, d) for m, d in downs("Kimi-K3") if d.n_split]
     assert kimi and {d.n_split for _, d in kimi} == {1, 2, 4} and all(d.block_k == 256 + 128 for _, d in kimi)
-    assert all((sum(configs.down_tiles(m, d)) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024
-               for m, d in kimi)
-    assert {d.per_third for m, d in kimi if m == 192} == {True, False}  # a whole block of three tiles or a third
+    assert all((configs.down_tile(m) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
     assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
     assert not any(d.n_split for _, d in downs("DeepSeek-V3", "fp8-block"))
     assert [configs.resident_k(i) for i in (256, 384, 72, 100)] == [(256, 0), (256, 128), (64, 16), (64, 64)]

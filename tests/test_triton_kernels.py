@@ -77,8 +77,7 @@ KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
 # the splits) and narrow tiles; sorted mode with blocks of 32 grouped 2 by 2; the down kernel
 # with a resident activation block, 2 or 3 programs per block (fp8 falls back to tiles); blocks of
-# 48 rows (gate/up: row tiles of 32 and 16 sharing each weight tile; down: tiled, a program per 16
-# rows; resident, a program per block or per 16 rows).
+# 48 rows (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows).
 UNUSUAL = {
     "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
                      "down": {**KERNEL, "block_k": 64}}, 5),
@@ -87,8 +86,6 @@ UNUSUAL = {
     "sorted-resident-3": ({"block_m": 16, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 3}}, 40),
     "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
-    "sorted-three-tiles-resident-thirds": (
-        {"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2, "per_third": True}}, 150),
 }
 
 

@@ -39,7 +39,6 @@ class KernelConfig:
     group_m: int = 1
     split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
     n_split: int = 0  # general bf16/fp16 down only, > 0: down_resident_kernel, programs per M block
-    per_third: bool = False  # down_resident_kernel on a block of three row tiles: a program per third
 
 
 @dataclass(frozen=True)
@@ -74,14 +73,9 @@ def row_tiles(block_m: int) -> tuple[int, int]:
     return 2 * third, third
 
 
-def down_tiles(block_m: int, down: KernelConfig) -> tuple[int, int]:
-    """The down kernel's row tiles per program: the block's (a resident program holds all
-    rows of a block of three tiles, so each weight tile serves them all), or a third of it
-    (per_third, and always for the tiled kernel)."""
-    tiles = row_tiles(block_m)
-    if tiles[1] and (down.per_third or not down.n_split):
-        return tiles[1], 0
-    return tiles
+def down_tile(block_m: int) -> int:
+    """The down kernels' rows per program: the block, or a third of it (a program each)."""
+    return row_tiles(block_m)[1] or block_m
 
 
 def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:

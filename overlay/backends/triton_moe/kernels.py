@@ -351,11 +351,11 @@ def down_kernel(
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
-    (`num_blocks_m` counts those row tiles) and BLOCK_N columns."""
+    (`num_blocks_m` counts those) and BLOCK_N columns."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
-    spans = (BLOCK_M + TILE_M - 1) // TILE_M  # programs per block and N tile
-    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // spans, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                                                     num_padded_ptr, BLOCK_M, pid_m % spans * TILE_M, TILE_M)
+    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
+                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
+                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,80 +389,45 @@ def down_resident_kernel(
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_blocks_m, hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
-    WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-    TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
 ):
     """down_kernel for bf16/fp16 with a small I (K_LO + K_HI >= I, powers of two; K_HI may
-    be 0): the program's activation rows `[TILE_M (+ TILE_M2), I]` are loaded once, then
-    multiplied by its share of the N tiles in turn (N_SPLIT programs per row span), so only
-    weight tiles stream, in a loop long enough to pipeline (a program per tile has two to six
-    K steps). With two row tiles (a whole block of three tiles' rows) each weight tile
-    serves every row of the block. Output as down_kernel's."""
+    be 0): the program's activation tile `[TILE_M, I]` is loaded once, then multiplied by
+    its share of the N tiles in turn (N_SPLIT programs per row tile), so only weight tiles
+    stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
+    Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
-    spans = (BLOCK_M + TILE_M + TILE_M2 - 1) // (TILE_M + TILE_M2)  # programs per block (and N share)
-    block = pid_m // spans
-    first = pid_m % spans * (TILE_M + TILE_M2)
-    expert, routes, rows, buffer_rows = _sorted_rows(block, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                                                     num_padded_ptr, BLOCK_M, first, TILE_M)
+    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
+                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
+                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
     if expert < 0:
         return
-    a_lo, a_hi, route_weight = _resident_rows(a_ptr, topk_weights_ptr, routes, rows, buffer_rows, inter, stride_am,
-                                              WEIGHT_ON_INPUT, K_LO, K_HI)
-    if TILE_M2 > 0:
-        _, routes2, rows2, buffer_rows2 = _sorted_rows(block, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                                                       num_padded_ptr, BLOCK_M, first + TILE_M, TILE_M2)
-        a2_lo, a2_hi, route_weight2 = _resident_rows(a_ptr, topk_weights_ptr, routes2, rows2, buffer_rows2, inter,
-                                                     stride_am, WEIGHT_ON_INPUT, K_LO, K_HI)
-    tiles = tl.cdiv(hidden, BLOCK_N)
-    per_program = tl.cdiv(tiles, N_SPLIT)
-    first_tile = (tl.program_id(0) % N_SPLIT) * per_program
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
     offs_lo = tl.arange(0, K_LO)
-    for tile in range(first_tile, tl.minimum(first_tile + per_program, tiles)):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hidden
-        w_cols = w_expert + offs_n[None, :] * stride_wn
-        w_lo = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
-        w_hi = w_lo  # stands in when K_HI is 0
-        if K_HI > 0:
-            offs_hi = K_LO + tl.arange(0, K_HI)
-            w_hi = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
-        _resident_store(a_lo, a_hi, w_lo, w_hi, route_weight, routes, rows, offs_n, n_ok, out_ptr, stride_om,
-                        WEIGHT_ON_INPUT, K_HI)
-        if TILE_M2 > 0:
-            _resident_store(a2_lo, a2_hi, w_lo, w_hi, route_weight2, routes2, rows2, offs_n, n_ok, out_ptr,
-                            stride_om, WEIGHT_ON_INPUT, K_HI)
-
-
-@triton.jit
-def _resident_rows(a_ptr, topk_weights_ptr, routes, rows, buffer_rows, inter, stride_am,
-                   WEIGHT_ON_INPUT: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr):
-    """A row tile's activation rows as two K tiles (the second a stand-in when K_HI is 0)
-    and its router weights."""
     a_rows = a_ptr + buffer_rows[:, None] * stride_am
-    offs_lo = tl.arange(0, K_LO)
     a_lo = tl.load(a_rows + offs_lo[None, :], mask=rows[:, None] & (offs_lo < inter)[None, :], other=0.0)
-    a_hi = a_lo
     if K_HI > 0:
         offs_hi = K_LO + tl.arange(0, K_HI)
         a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
-    route_weight = 1.0  # stands in: the weight went on the input
     if not WEIGHT_ON_INPUT:
         route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
-    return a_lo, a_hi, route_weight
-
-
-@triton.jit
-def _resident_store(a_lo, a_hi, w_lo, w_hi, route_weight, routes, rows, offs_n, n_ok, out_ptr, stride_om,
-                    WEIGHT_ON_INPUT: tl.constexpr, K_HI: tl.constexpr):
-    """One row tile times one weight tile, weighted and stored by route."""
-    acc = tl.dot(a_lo, w_lo)
-    if K_HI > 0:
-        acc = tl.dot(a_hi, w_hi, acc)
-    if not WEIGHT_ON_INPUT:
-        acc *= route_weight
-    out_ptrs = out_ptr + routes.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+    out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
+    tiles = tl.cdiv(hidden, BLOCK_N)
+    per_program = tl.cdiv(tiles, N_SPLIT)
+    first = (tl.program_id(0) % N_SPLIT) * per_program
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    for tile in range(first, tl.minimum(first + per_program, tiles)):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        w_cols = w_expert + offs_n[None, :] * stride_wn
+        w = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a_lo, w)
+        if K_HI > 0:
+            w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a_hi, w, acc)
+        if not WEIGHT_ON_INPUT:
+            acc *= route_weight
+        tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
 @triton.jit

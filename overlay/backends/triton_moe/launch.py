@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import kernels
-from .configs import LaunchConfig, LayerShape, down_tiles, is_tiny, launch_config, resident_k, row_tiles, weights_tag
+from .configs import LaunchConfig, LayerShape, down_tile, is_tiny, launch_config, resident_k, row_tiles, weights_tag
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
@@ -159,7 +159,7 @@ def down(
         return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
-    (tile_m, _), tiles_m = _down_row_tiles(config, alignment)
+    tile_m, tiles_m = _down_row_tiles(config, alignment)
     grid = (tiles_m * triton.cdiv(layer.shape.hidden, cfg.block_n),)
     _launch(
         kernels.down_kernel, grid,
@@ -174,10 +174,10 @@ def down(
     )
 
 
-def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[tuple[int, int], int]:
-    """(the row tiles of a down program, such programs in all; down_tiles)."""
-    tiles = down_tiles(config.block_m, config.down)
-    return tiles, alignment.num_blocks * triton.cdiv(config.block_m, sum(tiles))
+def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[int, int]:
+    """(rows per down program, row tiles in all): a block is one tile, or three (down_tile)."""
+    tile_m = down_tile(config.block_m)
+    return tile_m, alignment.num_blocks * (config.block_m // tile_m)
 
 
 def _down_resident(
@@ -186,7 +186,7 @@ def _down_resident(
 ) -> None:
     cfg = config.down
     k_low, k_high = resident_k(layer.shape.inter)
-    (tile_m, tile_m2), tiles_m = _down_row_tiles(config, alignment)
+    tile_m, tiles_m = _down_row_tiles(config, alignment)
     _launch(
         kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
         a, w2, out, topk_weights,
@@ -194,7 +194,7 @@ def _down_resident(
         alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, N_SPLIT=cfg.n_split,
-        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
+        BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

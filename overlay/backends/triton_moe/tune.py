@@ -27,11 +27,11 @@ from .configs import (
     LaunchConfig,
     LayerShape,
     default_config,
+    down_tile,
     is_tiny,
     merge,
     read_file,
     resident_k,
-    row_tiles,
 )
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
@@ -127,23 +127,20 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
-    grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4, 8)
+    grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
             for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
 
 
 def resident_down_candidates(block_m: int, fp8: bool, inter: int, smem_bytes: int) -> list[KernelConfig]:
-    """down_resident_kernel (bf16/fp16, I of at most RESIDENT_MAX_I): the activation rows and
-    num_stages weight tiles of all of I in shared memory; 1 to 4 programs per block, or per
-    third of a block of three row tiles."""
+    """down_resident_kernel (bf16/fp16, I of at most RESIDENT_MAX_I): the activation block and
+    num_stages weight tiles of all of I in shared memory; 1 to 4 programs per M block."""
     if fp8 or inter > RESIDENT_MAX_I:
         return []
     k = sum(resident_k(inter))
-    third = row_tiles(block_m)[1]
-    return [KernelConfig(n, k, w, s, n_split=split, per_third=per_third)
-            for rows, per_third in [(block_m, False)] + ([(third, True)] if third else [])
-            for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3) for split in (1, 2, 4)
-            if (rows + s * n) * k * 2 <= smem_bytes and rows * n // (32 * w) <= REG_BUDGET]
+    return [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
+            for split in (1, 2, 4)
+            if (block_m + s * n) * k * 2 <= smem_bytes and block_m * n // (32 * w) <= REG_BUDGET]
 
 
 def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
@@ -175,8 +172,8 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
         return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
                            down_tiny_candidates(fp8, top_k, inter))]
     return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
-                       gemm_candidates(row_tiles(b)[1] or b, fp8, 1, smem_bytes)  # the tiled down: thirds
-                       + resident_down_candidates(b, fp8, inter, smem_bytes))
+                       gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
+                       + resident_down_candidates(down_tile(b), fp8, inter, smem_bytes))
             for b in block_m_candidates(point.shape, point.tokens)]
 
 
