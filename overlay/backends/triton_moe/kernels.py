@@ -121,6 +121,16 @@ def _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded
 
 
 @triton.jit
+def _row_tile(pid, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M: tl.constexpr,
+              TILE_M: tl.constexpr):
+    """_sorted_rows of row tile `pid` when every block is BLOCK_M // TILE_M tiles (the down
+    kernels: a program per third of a block of three row tiles)."""
+    per_block = BLOCK_M // TILE_M
+    return _sorted_rows(pid // per_block, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M,
+                        pid % per_block * TILE_M, TILE_M)
+
+
+@triton.jit
 def _tiny_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Tiny mode: the routes that go to route `slot`'s expert; expert -1 unless `slot` is
     the first of them. Buffer rows are the route ids."""
@@ -193,8 +203,8 @@ def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, rows, rows2, pid_n, k_first, k_
     """Main loop over row-interleaved weights (row 2n: gate n, row 2n+1: up n): one dot of
     2*BLOCK_N columns instead of two of BLOCK_N (fuller tensor-core instructions, A read
     from shared memory once); with TILE_M2 > 0 a second row tile shares each weight tile, so
-    the weights cross the L2 once per block (what bounds this loop at large M). Accumulators
-    stay interleaved (see _split_gate_up)."""
+    a block's weight tiles are loaded once for all its rows. Accumulators stay interleaved
+    (see _split_gate_up)."""
     offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ok = offs_w < 2 * inter
@@ -353,9 +363,8 @@ def down_kernel(
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
     (`num_blocks_m` counts those) and BLOCK_N columns."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
-    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
-                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
-                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
+    expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                                                  num_padded_ptr, BLOCK_M, TILE_M)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -398,9 +407,8 @@ def down_resident_kernel(
     stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
     Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
-    expert, routes, rows, buffer_rows = _sorted_rows(pid_m // (BLOCK_M // TILE_M), sorted_ptr, block_expert_ptr,
-                                                     block_rows_ptr, num_padded_ptr, BLOCK_M,
-                                                     pid_m % (BLOCK_M // TILE_M) * TILE_M, TILE_M)
+    expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                                                  num_padded_ptr, BLOCK_M, TILE_M)
     if expert < 0:
         return
     offs_lo = tl.arange(0, K_LO)
