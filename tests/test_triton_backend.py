@@ -234,6 +234,14 @@ def test_three_tile_blocks_are_tried_for_bf16_experts_they_hold_and_fp8_falls_ba
                                                            {"cpu": {s.key: {"512": _entry(192)} for s in shapes}})))
     bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
     assert (bf16.block_m, fp8.block_m) == (192, 128)
+    # a launch handed a two-tile block for fp8 directly (not through launch_config) is refused, not cut short
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    w13 = torch.zeros(8, 256, 256).to(torch.float8_e4m3fn)
+    layer = launch.Layer.of(x, w13, 2, "silu", [], False, "block")
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_m 192 .* needs interleaved bf16/fp16 weights"):
+        launch.gate_up(x, w13, None, torch.ones(4, 2), ids, None, None, layer,
+                      configs.LaunchConfig.from_json(_entry(192)), torch.empty(0))
 
 
 def test_bad_config_files_are_named(tmp_path):

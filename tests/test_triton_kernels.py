@@ -110,6 +110,29 @@ def test_fp8_w8a8_matches_the_reference(granularity, m):
 
 
 @needs_device
+@pytest.mark.parametrize(("kind", "beta", "linear_beta"), [("silu", 1.0, 1.0), ("situ", 1.0, 1.0), ("situ", 3.5, 7.0)])
+def test_kernel_activation_matches_the_definition_far_into_saturation(kind, beta, linear_beta):
+    """The kernels' SiLU/SiTU (fused into one division, exponents capped) against torch's
+    definition in fp32, from -60 to 60 in gate and up: finite, and close everywhere."""
+    import triton
+
+    from moe_overlay.activations import silu_and_mul, situ_and_mul
+    from moe_overlay.backends.triton_moe.launch import ACTIVATIONS
+    from tests.triton_activation_kernel import activate_kernel
+
+    grid = torch.linspace(-60, 60, 241)
+    gate, up = (t.reshape(-1).contiguous().to(DEVICE) for t in torch.meshgrid(grid, grid, indexing="ij"))
+    out = torch.empty_like(gate)
+    activate_kernel[(triton.cdiv(gate.numel(), 1024),)](gate, up, out, gate.numel(), beta, linear_beta,
+                                                        ACTIVATION=ACTIVATIONS[kind], BLOCK=1024)
+    ref = (silu_and_mul(gate.double(), up.double()) if kind == "silu"
+           else situ_and_mul(gate.double(), up.double(), beta, linear_beta))
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs() / ref.abs().clamp(min=1.0)
+    assert float(err.max()) < 1e-5, f"{kind} beta={beta}: worst at gate={gate[err.argmax()]}, up={up[err.argmax()]}"
+
+
+@needs_device
 def test_align_sorts_every_route_once_into_padded_expert_blocks():
     from moe_overlay.backends.triton_moe.launch import ALIGN_CHUNK, align
 

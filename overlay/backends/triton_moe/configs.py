@@ -211,7 +211,7 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
     if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16);
         # one row tile (the second is in the interleaved loop only)
-        config = replace(config, block_m=1 << (config.block_m.bit_length() - 1),
+        config = replace(config, block_m=row_tiles(config.block_m)[0],
                          gate_up=replace(config.gate_up, block_k=128),
                          down=replace(config.down, block_k=128, n_split=0))
     return config

@@ -392,11 +392,11 @@ def down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_blocks_m"])
+@triton.jit
 def down_resident_kernel(
     a_ptr, w_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    num_blocks_m, hidden, inter,
+    hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,

@@ -133,6 +133,8 @@ def gate_up(
     fp8, fp8_max = _fp8_args(w13)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
     tile_m, tile_m2 = row_tiles(config.block_m)
+    if tile_m2 and not layer.shape.interleaved:  # launch_config never asks: fp8 blocks are one tile
+        raise ValueError(f"block_m {config.block_m} (two row tiles) needs interleaved bf16/fp16 weights")
     _launch(
         kernels.gate_up_kernel, grid,
         x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
@@ -142,7 +144,7 @@ def gate_up(
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
-        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2 if layer.shape.interleaved else 0,
+        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -191,7 +193,7 @@ def _down_resident(
         kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
         a, w2, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
-        alignment.num_blocks, layer.shape.hidden, layer.shape.inter,
+        layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, N_SPLIT=cfg.n_split,
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,

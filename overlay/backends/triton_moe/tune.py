@@ -86,9 +86,9 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
 
 def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
     """The default block and the next larger one; for bf16/fp16 also the smallest block of
-    three row tiles (48, 96, 192) that holds an expert's routes with room to spare, which
-    crosses the L2 with each weight tile once where powers of two would pad a lot or
-    split the expert in two."""
+    three row tiles (48, 96, 192) that holds an expert's routes with room to spare: each
+    weight tile loaded once for all of them, where powers of two would pad a lot or split
+    the expert in two."""
     if is_tiny(tokens, shape.top_k):
         return [TINY_ROUTES]
     block_m = default_config(shape, tokens).block_m
