@@ -28,6 +28,7 @@ from moe_overlay.backends.triton_moe.tune import (
     block_m_candidates,
     candidates,
     compile_tasks,
+    gemm_candidates,
     points_from_args,
 )
 from moe_overlay.cli import build_parser
@@ -297,6 +298,16 @@ def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
             assert compiled == {("gate_up", g, 1) for g in c.gate_up} | {("down", d, s) for d in c.down
                                                                          for s in splits}
     assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8, 16}  # M=1 is tiny
+
+
+def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_budget():
+    sixteen = {b: [c for c in gemm_candidates(b, False, 2, 227 * 1024) if c.num_warps == 16] for b in (64, 128, 192)}
+    assert not sixteen[64]
+    assert {c.block_n for c in sixteen[128]} == {128, 256}
+    assert {c.block_n for c in sixteen[192]} == {128}  # 192 x 2x256 fp32 would not fit 16 warps' registers
+    for block_m, cfgs in sixteen.items():
+        assert all(2 * block_m * c.block_n // (32 * 16) <= REG_BUDGET for c in cfgs)
+        assert all(c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 227 * 1024 for c in cfgs)
 
 
 def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_chip():
