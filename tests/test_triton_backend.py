@@ -199,6 +199,16 @@ def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, mon
     assert fp8.down.n_split == 0 and fp8.down.block_k == 128 == fp8.gate_up.block_k  # the resident block is bf16/fp16
 
 
+def test_w8a8_activations_are_quantised_before_sorted_gemms_whose_k_step_is_the_group():
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe.launch import QUANT_GROUP, _quantise_first
+
+    fp8 = torch.empty(2, 2, dtype=torch.float8_e4m3fn)
+    assert _quantise_first(fp8, QUANT_GROUP)
+    assert not _quantise_first(fp8, QUANT_GROUP // 2)  # a K step of half a group: quantised in the loop
+    assert not _quantise_first(torch.empty(2, 2, dtype=torch.bfloat16), QUANT_GROUP)
+
+
 def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
     table = {"GPU": {"E8-H256-I128-k2-bf16": {"1": _entry(16), "16": _entry(32), "1024": _entry(128)}}}
     shape = configs.LayerShape.of(SPEC)

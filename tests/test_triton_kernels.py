@@ -109,6 +109,29 @@ def test_fp8_w8a8_matches_the_reference(granularity, m):
     _check(spec, m, tol=2e-2)
 
 
+@fp8_ok
+def test_activation_groups_are_quantised_once_as_the_main_loops_would():
+    """quantize_groups (sorted-mode w8a8 activations, quantised before the GEMMs): per row and
+    128 columns, scale = absmax / fp8 max and q = x / scale rounded to fp8, for the rows below
+    the device count it is given; a partial last group counts only its own columns."""
+    from moe_overlay.backends.triton_moe.launch import QUANT_GROUP, quantize_groups
+
+    fp8 = torch.float8_e4m3fn if torch.version.hip is None else torch.float8_e4m3fnuz
+    src = torch.randn(50, 300, device=DEVICE, dtype=DTYPE) * torch.logspace(-3, 2, 50, device=DEVICE)[:, None]
+    src[3, :128] = 0  # an all-zero group: the scale's floor, no division by zero
+    limit = torch.tensor([37], dtype=torch.int32, device=DEVICE)
+    q, scale = quantize_groups(src, fp8, limit)
+    assert q.dtype == fp8 and scale.shape == (50, 3)
+    fmax = torch.finfo(fp8).max
+    groups = torch.nn.functional.pad(src[:37].float(), (0, 3 * QUANT_GROUP - 300)).view(37, 3, QUANT_GROUP)
+    want_scale = (groups.abs().amax(-1) / fmax).clamp(min=1e-12)
+    torch.testing.assert_close(scale[:37], want_scale, rtol=1e-6, atol=0)
+    back = (q[:37].float().view(37, -1) * scale[:37].repeat_interleave(QUANT_GROUP, 1)[:, :300])
+    step = scale[:37].repeat_interleave(QUANT_GROUP, 1)[:, :300] * 2.0 ** -9  # e4m3's subnormal spacing
+    assert ((back - src[:37].float()).abs() <= src[:37].float().abs() * 2.0 ** -4 + step).all()
+    assert torch.isfinite(q[:37].float()).all() and (q[3, :128].float() == 0).all()
+
+
 @needs_device
 @pytest.mark.parametrize(("kind", "beta", "linear_beta"), [("silu", 1.0, 1.0), ("situ", 1.0, 1.0), ("situ", 3.5, 7.0)])
 def test_kernel_activation_matches_the_definition_far_into_saturation(kind, beta, linear_beta):

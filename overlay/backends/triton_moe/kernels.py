@@ -167,6 +167,43 @@ def _quantize_rows(a, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _activation_step(a, a_scale_ptrs, rows, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                     A_FP8: tl.constexpr, TILE_M: tl.constexpr):
+    """A K step's activation tile for _mma_step and its row scales: as loaded (A_FP8: quantised
+    by quantize_groups_kernel, scales read; bf16/fp16 weights: no scales) or quantised here."""
+    a_scale = tl.zeros([TILE_M], dtype=tl.float32)
+    if A_FP8:
+        a_scale = tl.load(a_scale_ptrs, mask=rows, other=0.0)
+    elif W_QUANT != W_NONE:
+        a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+    return a, a_scale
+
+
+@triton.jit
+def quantize_groups_kernel(
+    src_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, cols, stride_src, stride_q, stride_s,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+):
+    """q[r, c] and scale[r, g]: _quantize_rows of each row's g-th group of GROUP columns, as the
+    w8a8 main loops would quantise each K step (columns past `cols` count as 0). Rows from
+    `*limit_ptr` on (LIMITED: the aligned buffer's padded row count) are left alone."""
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    limit = num_rows
+    if LIMITED:
+        limit = tl.minimum(limit, tl.load(limit_ptr))
+    if tl.program_id(0) * ROWS >= limit:
+        return
+    row_ok = offs_r < limit
+    ok = row_ok[:, None] & (offs_c < cols)[None, :]
+    rows = offs_r.to(tl.int64)[:, None]
+    q, scale = _quantize_rows(tl.load(src_ptr + rows * stride_src + offs_c[None, :], mask=ok, other=0.0),
+                              FP8, FP8_MAX)
+    tl.store(q_ptr + rows * stride_q + offs_c[None, :], q, mask=ok)
+    tl.store(scale_ptr + offs_r.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
+
+
+@triton.jit
 def _mma_step(acc, a, a_scale, b, b_scale_ptr, W_QUANT: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when W_QUANT != W_NONE)."""
     if W_QUANT == W_NONE:
@@ -234,9 +271,9 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_pair(a_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden, stride_wn,
-                  stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden,
+                  stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                  A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over canonical weights (gate rows, then up rows; fp8 keeps this layout, its
     128x128 scale blocks span canonical rows): two dots, w8a8-rescaled per K step."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -251,9 +288,7 @@ def _gate_up_pair(a_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if W_QUANT != W_NONE:
-            a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+        a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, BLOCK_M)
         acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale_ptrs + k, W_QUANT)
         acc_up = _mma_step(acc_up, a, a_scale, up, up_scale_ptrs + k, W_QUANT)
         a_ptrs += BLOCK_K
@@ -264,13 +299,13 @@ def _gate_up_pair(a_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last
 
 @triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
 def gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_routes, num_blocks_m, inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     beta, linear_beta,
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -313,8 +348,9 @@ def gate_up_kernel(
                            out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                            TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
     else:
-        acc_gate, acc_up = _gate_up_pair(a_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first, k_last,
-                                         inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX,
+        a_scale_ptrs = x_scale_ptr + (routes // top_k).to(tl.int64) * stride_xsm
+        acc_gate, acc_up = _gate_up_pair(a_ptrs, a_scale_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first,
+                                         k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8,
                                          TILE_M, BLOCK_N, BLOCK_K)
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
@@ -351,11 +387,12 @@ def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, sc
 
 @triton.jit(do_not_specialize=["num_blocks_m"])
 def down_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_blocks_m, hidden, inter,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    A_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -371,6 +408,7 @@ def down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < hidden
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
+    a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     block_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
@@ -379,9 +417,7 @@ def down_kernel(
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_scale = tl.zeros([TILE_M], dtype=tl.float32)
-        if W_QUANT != W_NONE:
-            a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+        a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
         acc = _mma_step(acc, a, a_scale, w, block_scale_ptrs + k, W_QUANT)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -25,6 +25,8 @@ ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
 ALIGN_CHUNK = 4096  # routes per sort program
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
+QUANT_GROUP = 128  # w8a8 activations: a dynamic scale per row and 128 columns, the fp8 kernels' K step
+QUANT_ROWS = 32
 
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("compile_only", default=False)
@@ -131,19 +133,22 @@ def gate_up(
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
+    a_fp8 = not tiny and _quantise_first(w13, cfg.block_k)
+    x, x_scale = quantize_groups(x, w13.dtype) if a_fp8 else (x, x)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
     tile_m, tile_m2 = row_tiles(config.block_m)
     if tile_m2 and not layer.shape.interleaved:  # launch_config never asks: fp8 blocks are one tile
         raise ValueError(f"block_m {config.block_m} (two row tiles) needs interleaved bf16/fp16 weights")
     _launch(
         kernels.gate_up_kernel, grid,
-        x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
+        x, x_scale, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
         ids.numel(), num_blocks, inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2), out.stride(0),
-        layer.beta, layer.linear_beta,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2),
+        out.stride(0), layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
+        A_FP8=a_fp8,
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -161,16 +166,18 @@ def down(
         return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
+    a_fp8 = _quantise_first(w2, cfg.block_k)
+    a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded) if a_fp8 else (a, a)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
     grid = (tiles_m * triton.cdiv(layer.shape.hidden, cfg.block_n),)
     _launch(
         kernels.down_kernel, grid,
-        a, w2, scale, out, topk_weights,
+        a, a_scale, w2, scale, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
         tiles_m, layer.shape.hidden, layer.shape.inter,
-        a.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
-        FP8=fp8, FP8_MAX=fp8_max,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8,
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -236,6 +243,32 @@ def sum_routes(routes: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.T
         HAS_MAP=expert_map is not None, K_PAD=triton.next_power_of_2(top_k), BLOCK_H=REDUCE_BLOCK_H,
         num_warps=4,
     )
+
+
+def _quantise_first(weight: torch.Tensor, block_k: int) -> bool:
+    """Whether a sorted-mode w8a8 kernel gets its activations quantised by quantize_groups
+    beforehand: once per row and group, where its main loop would quantise each K step
+    again for every N tile (half of fp8 gate/up's time at M=8192 on an H200). Only when its K
+    step is the group; tiny mode quantises in the loop (one row per route, a few N tiles)."""
+    return weight.dtype in FP8_TL and block_k == QUANT_GROUP
+
+
+def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype,
+                    limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 `[rows, cols]`, fp32 scales `[rows, groups]`) of `src`, a dynamic scale per row and
+    QUANT_GROUP columns (kernels._quantize_rows); rows from `limit` (a device count) on are
+    left unset."""
+    rows, cols = src.shape
+    groups = triton.cdiv(cols, QUANT_GROUP)
+    q = torch.empty(rows, cols, dtype=fp8_dtype, device=src.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
+    fp8, fp8_max = _fp8_args(q)
+    _launch(
+        kernels.quantize_groups_kernel, (triton.cdiv(rows, QUANT_ROWS), groups),
+        src, q, scale, scale if limit is None else limit, rows, cols, src.stride(0), q.stride(0), scale.stride(0),
+        FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP, num_warps=4,
+    )
+    return q, scale
 
 
 def _fp8_args(weight: torch.Tensor) -> tuple[object, float]:
