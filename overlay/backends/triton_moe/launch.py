@@ -25,7 +25,7 @@ ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
 ALIGN_CHUNK = 4096  # routes per sort program
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
-QUANT_GROUP = 128  # w8a8 activations: a dynamic scale per row and 128 columns, the fp8 kernels' K step
+QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
 QUANT_ROWS = 32
 
 
