@@ -199,6 +199,35 @@ def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, mon
     assert fp8.down.n_split == 0 and fp8.down.block_k == 128 == fp8.gate_up.block_k  # the resident block is bf16/fp16
 
 
+def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    def gate_ups(model, weights, tokens):
+        args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
+        return [g for c in candidates(points_from_args(build_parser().parse_args(args))[0], 227 * 1024)
+                for g in c.gate_up]
+
+    gemv = [g for g in gate_ups("Maverick", "bf16", 1) if g.gemv]
+    assert gemv and all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in gemv)
+    assert {g.split_k for g in gemv} <= {g.split_k for g in gate_ups("Maverick", "bf16", 1) if not g.gemv}
+    assert not any(g.gemv for g in gate_ups("DeepSeek-V3", "fp8-block", 1))
+    assert not any(g.gemv for g in gate_ups("Maverick", "bf16", 1024))
+
+    tiny = {**_entry(16), "gate_up": {**_entry(16)["gate_up"], "split_k": 4, "gemv": True}}
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"1": tiny} for s in shapes}})))
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 1) for s in shapes)
+    assert bf16.gate_up.gemv and bf16.gate_up.split_k == 4
+    assert not fp8.gate_up.gemv  # fp8 has no gemv kernel: the dot kernel runs
+    assert configs.LaunchConfig.from_json(bf16.to_json()) == bf16
+    assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
+    layer = launch.Layer(shapes[1])
+    with pytest.raises(ValueError, match="interleaved bf16/fp16"):
+        launch._gate_up_gemv(*(torch.empty(1),) * 5, layer, bf16.gate_up, torch.empty(1))
+
+
 def test_w8a8_activations_are_quantised_before_sorted_gemms_whose_k_step_is_the_group():
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe.launch import QUANT_GROUP, _quantise_first

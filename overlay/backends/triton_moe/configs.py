@@ -39,6 +39,7 @@ class KernelConfig:
     group_m: int = 1
     split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
     n_split: int = 0  # general bf16/fp16 down only, > 0: down_resident_kernel, programs per M block
+    gemv: bool = False  # tiny bf16/fp16 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,10 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block (bf16/fp16);
-        # one row tile (the second is in the interleaved loop only)
+    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block or
+        # gemv gate/up (bf16/fp16); one row tile (the second is in the interleaved loop only)
         config = replace(config, block_m=row_tiles(config.block_m)[0],
-                         gate_up=replace(config.gate_up, block_k=128),
+                         gate_up=replace(config.gate_up, block_k=128, gemv=False),
                          down=replace(config.down, block_k=128, n_split=0))
     return config
 

@@ -297,6 +297,15 @@ def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k
     return acc_gate, acc_up
 
 
+@triton.jit
+def _k_split(hidden, BLOCK_K: tl.constexpr):
+    """This program's K steps [first, last) when program_id(1) splits K (tiny mode)."""
+    k_steps = tl.cdiv(hidden, BLOCK_K)
+    per_split = tl.cdiv(k_steps, tl.num_programs(1))
+    k_first = tl.program_id(1) * per_split
+    return k_first, tl.minimum(k_first + per_split, k_steps)
+
+
 @triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
 def gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
@@ -325,10 +334,7 @@ def gate_up_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
-    k_steps = tl.cdiv(hidden, BLOCK_K)
-    per_split = tl.cdiv(k_steps, tl.num_programs(1))
-    k_first = tl.program_id(1) * per_split
-    k_last = tl.minimum(k_first + per_split, k_steps)
+    k_first, k_last = _k_split(hidden, BLOCK_K)
     offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
     w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
@@ -355,6 +361,50 @@ def gate_up_kernel(
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
+
+
+@triton.jit
+def gate_up_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    inter, hidden, top_k,
+    stride_xm, stride_we, stride_wn, stride_om, stride_os,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Tiny mode, bf16/fp16 (interleaved w13), a program per (route, BLOCK_N columns of I, K
+    split): its route's matrix-vector product in registers, no tensor cores and no shared
+    memory. With one route per expert (one token: its top-k experts are distinct) a dot's 16
+    rows and its staging through shared memory cost time and carry nothing; routes that
+    share an expert each read it. Writes gate_up_kernel's tiny-mode fp32 partials."""
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    route = tl.program_id(0) // n_tiles
+    pid_n = tl.program_id(0) % n_tiles
+    expert = _local_expert(ids_ptr, map_ptr, route, route >= 0, HAS_MAP)
+    if expert < 0:
+        return
+    k_first, k_last = _k_split(hidden, BLOCK_K)
+    offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    w_ok = offs_w < 2 * inter
+    offs_k = tl.arange(0, BLOCK_K)
+    first_k = k_first * BLOCK_K + offs_k
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None] * stride_wn + first_k[None, :]
+    x_ptrs = x_ptr + (route // top_k) * stride_xm + first_k
+    acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    for k in range(k_first, k_last):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), [BLOCK_N, 2]))
+    if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W), as in _gate_up_store
+        route_weight = tl.load(topk_weights_ptr + route)
+        gate *= route_weight
+        up *= route_weight
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + tl.program_id(1) * stride_os + route * stride_om + offs_n
+    tl.store(out_ptrs, gate, mask=offs_n < inter)
+    tl.store(out_ptrs + inter, up, mask=offs_n < inter)
 
 
 @triton.jit

@@ -17,7 +17,17 @@ import triton
 import triton.language as tl
 
 from . import kernels
-from .configs import LaunchConfig, LayerShape, down_tile, is_tiny, launch_config, resident_k, row_tiles, weights_tag
+from .configs import (
+    KernelConfig,
+    LaunchConfig,
+    LayerShape,
+    down_tile,
+    is_tiny,
+    launch_config,
+    resident_k,
+    row_tiles,
+    weights_tag,
+)
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
@@ -128,6 +138,9 @@ def gate_up(
     inter = layer.shape.inter
     ids = topk_ids.reshape(-1)
     tiny = alignment is None
+    if tiny and cfg.gemv:
+        _gate_up_gemv(x, w13, topk_weights, ids, expert_map, layer, cfg, out)
+        return
     num_blocks = ids.numel() if tiny else alignment.num_blocks
     sorted_args = (ids, ids, ids, ids) if tiny else (
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
@@ -152,6 +165,23 @@ def gate_up(
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gate_up_gemv(
+    x: torch.Tensor, w13: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor,
+    expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: torch.Tensor,
+) -> None:
+    """Tiny gate/up as a matrix-vector product per route (kernels.gate_up_gemv_kernel)."""
+    if not layer.shape.interleaved:
+        raise ValueError(f"the gemv gate/up reads interleaved bf16/fp16 weights, not {layer.shape.weights}")
+    _launch(
+        kernels.gate_up_gemv_kernel, (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k),
+        x, w13, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), out.stride(1), out.stride(0),
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

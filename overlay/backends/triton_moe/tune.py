@@ -126,12 +126,17 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
-    (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N)."""
+    (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N). For
+    bf16/fp16 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K products in
+    registers, 8 to 64 per thread."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
             for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
-    return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)]
+    gemv = [] if fp8 else [
+        KernelConfig(n, k, w, stages, split_k=s, gemv=True) for n in (4, 8, 16) for k in (128, 256, 512)
+        for w in (2, 4, 8) for stages in (1, 3) for s in (2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
+    return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
 def resident_down_candidates(block_m: int, fp8: bool, inter: int, smem_bytes: int) -> list[KernelConfig]:
@@ -152,7 +157,7 @@ def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig
     widest = min(1024, 1 << (inter - 1).bit_length())
     block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
     k_pad = 1 << (top_k - 1).bit_length()
-    return [KernelConfig(n, k, w, 2) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
+    return [KernelConfig(n, k, w, stages) for n in (16, 32, 64) for k in block_ks for w in (4, 8) for stages in (1, 2)
             if k_pad * n * k // (32 * w) <= REG_BUDGET]
 
 
