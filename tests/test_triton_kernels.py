@@ -75,9 +75,10 @@ def test_small_layers_match_the_reference(spec, m):
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
-# the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with blocks of 32 grouped 2 by 2; the down kernel
-# with a resident activation block, 2 or 3 programs per block (fp8 falls back to tiles); blocks of
-# 48 rows (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows).
+# the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with
+# blocks of 32 grouped 2 by 2; the down kernel with a resident activation block, 2 or 3
+# programs per block (fp8 falls back to tiles); blocks of 48 rows (gate/up: row tiles of 32
+# and 16 sharing each weight tile; down: a program per 16 rows).
 UNUSUAL = {
     "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
                      "down": {**KERNEL, "block_k": 64}}, 5),
