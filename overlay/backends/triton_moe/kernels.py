@@ -402,9 +402,16 @@ def gate_up_gemv_kernel(
         gate *= route_weight
         up *= route_weight
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + tl.program_id(1) * stride_os + route * stride_om + offs_n
-    tl.store(out_ptrs, gate, mask=offs_n < inter)
-    tl.store(out_ptrs + inter, up, mask=offs_n < inter)
+    _store_partials(gate, up, out_ptr, route * stride_om + offs_n, offs_n < inter, inter, stride_os)
+
+
+@triton.jit
+def _store_partials(gate, up, out_ptr, offsets, mask, inter, stride_os):
+    """Tiny mode's fp32 gate and up sums over this program's share of K, at `out[split, route, n]`
+    and `[.., inter + n]` (`offsets`: route * stride + n); down_tiny_kernel adds the splits up."""
+    out_ptrs = out_ptr + tl.program_id(1) * stride_os + offsets
+    tl.store(out_ptrs, gate, mask=mask)
+    tl.store(out_ptrs + inter, up, mask=mask)
 
 
 @triton.jit
@@ -425,10 +432,9 @@ def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, sc
         acc_gate *= route_weight
         acc_up *= route_weight
     store_mask = rows[:, None] & n_ok[None, :]
-    if TINY:  # fp32 partial sums over this program's share of K; down_tiny_kernel adds them up
-        out_ptrs = out_ptr + tl.program_id(1) * stride_os + buffer_rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc_gate, mask=store_mask)
-        tl.store(out_ptrs + inter, acc_up, mask=store_mask)
+    if TINY:
+        _store_partials(acc_gate, acc_up, out_ptr, buffer_rows[:, None] * stride_om + offs_n[None, :], store_mask,
+                        inter, stride_os)
     else:
         out = _activate(acc_gate, acc_up, beta, linear_beta, ACTIVATION)
         out_ptrs = out_ptr + buffer_rows[:, None] * stride_om + offs_n[None, :]
