@@ -228,6 +228,45 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
         launch._gate_up_gemv(*(torch.empty(1),) * 5, layer, bf16.gate_up, torch.empty(1))
 
 
+def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights():
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe.launch import weight_descriptors
+
+    w = torch.empty(4, 64, 128, dtype=torch.bfloat16)
+    assert weight_descriptors(w)
+    assert not weight_descriptors(w.transpose(1, 2))  # not contiguous
+    assert not weight_descriptors(torch.empty(4, 64, 100, dtype=torch.bfloat16))  # 200-byte rows
+    assert weight_descriptors(torch.empty(4, 64, 16, dtype=torch.float8_e4m3fn))  # 16-byte rows
+    assert not weight_descriptors(torch.empty(4 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 128))
+
+
+def test_tuner_tries_descriptors_on_the_winner_and_keeps_them_only_when_faster(monkeypatch):
+    from moe_overlay.backends.triton_moe import tune
+
+    plain = [configs.KernelConfig(n, 64, 4, 3) for n in (32, 64, 128)]
+    seconds = {plain[0]: 3.0, plain[1]: 2.0, plain[2]: 4.0}
+    timed = []
+
+    def fake_fastest(run, cfgs):
+        timed.extend(cfgs)
+        return min(((c, seconds[c]) for c in cfgs), key=lambda r: r[1])
+
+    monkeypatch.setattr(tune, "_fastest", fake_fastest)
+    with_desc = replace(plain[1], descriptors=True)
+    seconds[with_desc] = 1.5
+    assert tune._fastest_of_both(None, plain, descriptors=True) == (with_desc, 1.5)
+    assert timed == [*plain, with_desc]  # only the winner is tried again
+    seconds[with_desc] = 2.5
+    assert tune._fastest_of_both(None, plain, descriptors=True) == (plain[1], 2.0)
+    timed.clear()
+    assert tune._fastest_of_both(None, plain, descriptors=False) == (plain[1], 2.0)
+    assert timed == plain
+    entry = {**_entry(128), "down": {**_entry(128)["down"], "descriptors": True}}
+    config = configs.LaunchConfig.from_json(entry)
+    assert config.down.descriptors and not config.gate_up.descriptors
+    assert configs.LaunchConfig.from_json(config.to_json()) == config
+
+
 def test_w8a8_activations_are_quantised_before_sorted_gemms_whose_k_step_is_the_group():
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe.launch import QUANT_GROUP, _quantise_first

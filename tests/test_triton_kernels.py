@@ -78,7 +78,8 @@ KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_
 # the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with
 # blocks of 32 grouped 2 by 2; the down kernel with a resident activation block, 2 or 3
 # programs per block (fp8 falls back to tiles); blocks of 48 rows (gate/up: row tiles of 32
-# and 16 sharing each weight tile; down: a program per 16 rows).
+# and 16 sharing each weight tile; down: a program per 16 rows); weight tiles through tensor
+# descriptors (plain loads where the weights' rows are not 16-byte aligned: "unaligned").
 UNUSUAL = {
     "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
                      "down": {**KERNEL, "block_k": 64}}, 5),
@@ -93,12 +94,20 @@ UNUSUAL = {
     "sorted-resident-3": ({"block_m": 16, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 3}}, 40),
     "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
+    "tiny-descriptors": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4, "descriptors": True},
+                          "down": {**KERNEL, "block_k": 64}}, 5),
+    "sorted-descriptors": ({"block_m": 32, "gate_up": {**KERNEL, "descriptors": True},
+                            "down": {**KERNEL, "descriptors": True}}, 40),
+    "sorted-three-tiles-resident-descriptors": ({"block_m": 48, "gate_up": {**KERNEL, "descriptors": True},
+                                                 "down": {**KERNEL, "n_split": 2, "descriptors": True}}, 150),
 }
+UNALIGNED = mo.MoESpec(8, 100, 36, 2, dtype=DTYPE)  # 200- and 72-byte weight rows
 
 
 @needs_device
-@pytest.mark.parametrize("spec", [SMALL[1], SMALL[2], SMALL[4], SMALL[5], pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
-                         ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "fp8-block"])
+@pytest.mark.parametrize("spec", [SMALL[1], SMALL[2], SMALL[4], SMALL[5], UNALIGNED,
+                                  pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
+                         ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "unaligned", "fp8-block"])
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
     entry, m = UNUSUAL[variant]

@@ -40,6 +40,7 @@ class KernelConfig:
     split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
     n_split: int = 0  # general bf16/fp16 down only, > 0: down_resident_kernel, programs per M block
     gemv: bool = False  # tiny bf16/fp16 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
+    descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
 
 
 @dataclass(frozen=True)

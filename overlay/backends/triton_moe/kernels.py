@@ -235,17 +235,24 @@ def _activate(gate, up, beta, linear_beta, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, rows, rows2, pid_n, k_first, k_last, inter, hidden, stride_wn,
-                         TILE_M: tl.constexpr, TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, expert, rows, rows2, pid_n, k_first, k_last, num_experts, inter,
+                         hidden, stride_we, stride_wn, W_DESC: tl.constexpr, TILE_M: tl.constexpr,
+                         TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over row-interleaved weights (row 2n: gate n, row 2n+1: up n): one dot of
     2*BLOCK_N columns instead of two of BLOCK_N (fuller tensor-core instructions, A read
     from shared memory once); with TILE_M2 > 0 a second row tile shares each weight tile, so
     a block's weight tiles are loaded once for all its rows. Accumulators stay interleaved
-    (see _split_gate_up)."""
+    (see _split_gate_up). W_DESC: weight tiles through a tensor descriptor over the
+    contiguous `[E * 2I, H]` (see _weight_desc)."""
     offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ok = offs_w < 2 * inter
-    w_ptrs = w_ptr + offs_w[None, :] * stride_wn + offs_k[:, None]
+    if W_DESC:
+        desc = _weight_desc(w_ptr, num_experts * 2 * inter, hidden, stride_wn, 2 * BLOCK_N, BLOCK_K)
+        w_row = expert * 2 * inter + pid_n * 2 * BLOCK_N  # rows past the expert's 2I only feed masked columns
+    else:
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[None, :] * stride_wn
+                  + (k_first * BLOCK_K + offs_k)[:, None])
     acc = tl.zeros([TILE_M, 2 * BLOCK_N], dtype=tl.float32)
     acc2 = acc  # stands in when there is no second tile
     if TILE_M2 > 0:
@@ -253,15 +260,26 @@ def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, rows, rows2, pid_n, k_first, k_
     for k in range(k_first, k_last):
         k_ok = offs_k < hidden - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        if W_DESC:
+            w = desc.load([w_row, k * BLOCK_K]).T
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K
         acc = tl.dot(a, w, acc)
         if TILE_M2 > 0:
             a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
             acc2 = tl.dot(a2, w, acc2)
             a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     return acc, acc2
+
+
+@triton.jit
+def _weight_desc(w_ptr, rows, cols, stride_wn, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A 2-D tensor descriptor over all experts' `rows` (E times an expert's) of a contiguous
+    `[E, N, K]` weight: tiles by bulk copy where the GPU has one (Hopper's TMA), plain loads
+    where Triton lowers it so; rows and columns out of range read as zeros."""
+    return tl.make_tensor_descriptor(w_ptr, shape=[rows, cols], strides=[stride_wn, 1], block_shape=[BLOCK_R, BLOCK_C])
 
 
 @triton.jit
@@ -310,10 +328,11 @@ def _k_split(hidden, BLOCK_K: tl.constexpr):
 def gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    num_routes, num_blocks_m, inter, hidden, top_k,
+    num_routes, num_blocks_m, num_experts, inter, hidden, top_k,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     beta, linear_beta,
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    W_DESC: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -337,7 +356,6 @@ def gate_up_kernel(
     k_first, k_last = _k_split(hidden, BLOCK_K)
     offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     if INTERLEAVED:
         routes2, rows2, buffer_rows2, a2_ptrs = routes, rows, buffer_rows, a_ptrs  # stand-ins: no second tile
@@ -345,8 +363,9 @@ def gate_up_kernel(
             _, routes2, rows2, buffer_rows2 = _sorted_rows(
                 pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M, TILE_M, TILE_M2)
             a2_ptrs = x_ptr + (routes2 // top_k)[:, None] * stride_xm + offs_k[None, :]
-        acc, acc2 = _gate_up_interleaved(a_ptrs, a2_ptrs, w_expert, rows, rows2, pid_n, k_first, k_last, inter,
-                                         hidden, stride_wn, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
+        acc, acc2 = _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, expert, rows, rows2, pid_n, k_first, k_last,
+                                         num_experts, inter, hidden, stride_we, stride_wn, W_DESC, TILE_M, TILE_M2,
+                                         BLOCK_N, BLOCK_K)
         acc_gate, acc_up = _split_gate_up(acc, TILE_M, BLOCK_N)
         if TILE_M2 > 0:
             gate2, up2 = _split_gate_up(acc2, TILE_M2, BLOCK_N)
@@ -355,6 +374,7 @@ def gate_up_kernel(
                            TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
     else:
         a_scale_ptrs = x_scale_ptr + (routes // top_k).to(tl.int64) * stride_xsm
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
         acc_gate, acc_up = _gate_up_pair(a_ptrs, a_scale_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first,
                                          k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8,
                                          TILE_M, BLOCK_N, BLOCK_K)
@@ -445,16 +465,17 @@ def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, sc
 def down_kernel(
     a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    num_blocks_m, hidden, inter,
+    num_blocks_m, num_experts, hidden, inter,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    A_FP8: tl.constexpr,
+    A_FP8: tl.constexpr, W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
-    (`num_blocks_m` counts those) and BLOCK_N columns."""
+    (`num_blocks_m` counts those) and BLOCK_N columns. W_DESC: weight tiles through a tensor
+    descriptor (_weight_desc)."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
                                                   num_padded_ptr, BLOCK_M, TILE_M)
@@ -465,18 +486,25 @@ def down_kernel(
     n_ok = offs_n < hidden
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if W_DESC:
+        desc = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K)
+        w_row = expert * hidden + pid_n * BLOCK_N  # rows past the expert's H only feed masked columns
+    else:
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     block_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_DESC:
+            w = desc.load([w_row, k * BLOCK_K]).T
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
         acc = _mma_step(acc, a, a_scale, w, block_scale_ptrs + k, W_QUANT)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT)
     if not WEIGHT_ON_INPUT:
         acc *= tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
@@ -488,16 +516,16 @@ def down_kernel(
 def down_resident_kernel(
     a_ptr, w_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    hidden, inter,
+    num_experts, hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
-    WEIGHT_ON_INPUT: tl.constexpr, N_SPLIT: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, W_DESC: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
 ):
     """down_kernel for bf16/fp16 with a small I (K_LO + K_HI >= I, powers of two; K_HI may
     be 0): the program's activation tile `[TILE_M, I]` is loaded once, then multiplied by
     its share of the N tiles in turn (N_SPLIT programs per row tile), so only weight tiles
     stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
-    Output as down_kernel's."""
+    W_DESC: weight tiles through tensor descriptors (_weight_desc). Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
                                                   num_padded_ptr, BLOCK_M, TILE_M)
@@ -509,6 +537,10 @@ def down_resident_kernel(
     if K_HI > 0:
         offs_hi = K_LO + tl.arange(0, K_HI)
         a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
+    if W_DESC:
+        desc_lo = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_LO)
+        if K_HI > 0:
+            desc_hi = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_HI)
     if not WEIGHT_ON_INPUT:
         route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
     out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
@@ -519,12 +551,18 @@ def down_resident_kernel(
     for tile in range(first, tl.minimum(first + per_program, tiles)):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hidden
-        w_cols = w_expert + offs_n[None, :] * stride_wn
-        w = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a_lo, w)
-        if K_HI > 0:
-            w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a_hi, w, acc)
+        if W_DESC:  # rows past the expert's H only feed masked columns
+            w_row = expert * hidden + tile * BLOCK_N
+            acc = tl.dot(a_lo, desc_lo.load([w_row, 0]).T)
+            if K_HI > 0:
+                acc = tl.dot(a_hi, desc_hi.load([w_row, K_LO]).T, acc)
+        else:
+            w_cols = w_expert + offs_n[None, :] * stride_wn
+            w = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a_lo, w)
+            if K_HI > 0:
+                w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
+                acc = tl.dot(a_hi, w, acc)
         if not WEIGHT_ON_INPUT:
             acc *= route_weight
         tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])

@@ -119,6 +119,25 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     return out
 
 
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator hook: device scratch for the tensor descriptors a kernel makes (on
+    Hopper, one TMA descriptor per program); from torch's caching allocator, so it is
+    captured in CUDA graphs like every other buffer."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def weight_descriptors(weight: torch.Tensor) -> bool:
+    """Whether a kernel can read `weight` (`[E, N, K]`) through one 2-D tensor descriptor over
+    `[E * N, K]`: contiguous, with 16-byte aligned base and rows (a TMA's rules on Hopper).
+    Installs the scratch allocator such kernels need when it can."""
+    size = weight.element_size()
+    ok = (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(1) * size % 16 == 0
+          and weight.shape[0] * weight.shape[1] < 2**31)
+    if ok:
+        triton.set_allocator(_descriptor_scratch)
+    return ok
+
+
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(tensor, expert stride, row stride) of a canonical scale; the weight stands in when none."""
     if scale is None:
@@ -155,11 +174,12 @@ def gate_up(
     _launch(
         kernels.gate_up_kernel, grid,
         x, x_scale, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
-        ids.numel(), num_blocks, inter, layer.shape.hidden, layer.shape.top_k,
+        ids.numel(), num_blocks, w13.shape[0], inter, layer.shape.hidden, layer.shape.top_k,
         x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2),
         out.stride(0), layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
+        W_DESC=cfg.descriptors and layer.shape.interleaved and weight_descriptors(w13),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
         A_FP8=a_fp8,
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
@@ -204,10 +224,10 @@ def down(
         kernels.down_kernel, grid,
         a, a_scale, w2, scale, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
-        tiles_m, layer.shape.hidden, layer.shape.inter,
+        tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, W_DESC=cfg.descriptors and weight_descriptors(w2),
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -230,9 +250,9 @@ def _down_resident(
         kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
         a, w2, out, topk_weights,
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
-        layer.shape.hidden, layer.shape.inter,
+        w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        WEIGHT_ON_INPUT=layer.weight_on_input, N_SPLIT=cfg.n_split,
+        WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=cfg.descriptors and weight_descriptors(w2), N_SPLIT=cfg.n_split,
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
