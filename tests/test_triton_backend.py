@@ -240,27 +240,29 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights():
     assert not weight_descriptors(torch.empty(4 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 128))
 
 
-def test_tuner_tries_descriptors_on_the_winner_and_keeps_them_only_when_faster(monkeypatch):
+def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):
     from moe_overlay.backends.triton_moe import tune
 
-    plain = [configs.KernelConfig(n, 64, 4, 3) for n in (32, 64, 128)]
-    seconds = {plain[0]: 3.0, plain[1]: 2.0, plain[2]: 4.0}
+    plain = [configs.KernelConfig(n, 64, 4, 3) for n in (16, 32, 64, 128, 256)]
+    seconds = dict(zip(plain, (3.0, 2.0, 2.5, 4.0, 2.2), strict=True))
+    for c, s in list(seconds.items()):
+        seconds[replace(c, descriptors=True)] = s + 0.5
     timed = []
 
-    def fake_fastest(run, cfgs):
-        timed.extend(cfgs)
-        return min(((c, seconds[c]) for c in cfgs), key=lambda r: r[1])
+    def fake_timed(run, cfgs):
+        timed.append(list(cfgs))
+        return sorted(((c, seconds[c]) for c in cfgs), key=lambda r: r[1])
 
-    monkeypatch.setattr(tune, "_fastest", fake_fastest)
-    with_desc = replace(plain[1], descriptors=True)
-    seconds[with_desc] = 1.5
-    assert tune._fastest_of_both(None, plain, descriptors=True) == (with_desc, 1.5)
-    assert timed == [*plain, with_desc]  # only the winner is tried again
-    seconds[with_desc] = 2.5
-    assert tune._fastest_of_both(None, plain, descriptors=True) == (plain[1], 2.0)
+    monkeypatch.setattr(tune, "_timed", fake_timed)
+    assert tune._fastest(None, plain, descriptors=True) == (plain[1], 2.0)  # descriptors slower: kept plain
+    leaders = [plain[1], plain[4], plain[2]]
+    assert timed == [plain, [replace(c, descriptors=True) for c in leaders]]  # the 3 fastest tried again
+    seconds[replace(plain[2], descriptors=True)] = 1.8  # third without, first with
+    assert tune._fastest(None, plain, descriptors=True) == (replace(plain[2], descriptors=True), 1.8)
     timed.clear()
-    assert tune._fastest_of_both(None, plain, descriptors=False) == (plain[1], 2.0)
-    assert timed == plain
+    assert tune._fastest(None, plain, descriptors=False) == (plain[1], 2.0)
+    assert timed == [plain]
+    assert tune._fastest(None, [], descriptors=True) is None
     entry = {**_entry(128), "down": {**_entry(128)["down"], "descriptors": True}}
     config = configs.LaunchConfig.from_json(entry)
     assert config.down.descriptors and not config.gate_up.descriptors
