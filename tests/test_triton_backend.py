@@ -228,8 +228,8 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
         launch._gate_up_gemv(*(torch.empty(1),) * 5, layer, bf16.gate_up, torch.empty(1))
 
 
-def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights():
-    pytest.importorskip("triton")
+def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
+    tl = pytest.importorskip("triton.language")
     from moe_overlay.backends.triton_moe.launch import weight_descriptors
 
     w = torch.empty(4, 64, 128, dtype=torch.bfloat16)
@@ -238,6 +238,8 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights():
     assert not weight_descriptors(torch.empty(4, 64, 100, dtype=torch.bfloat16))  # 200-byte rows
     assert weight_descriptors(torch.empty(4, 64, 16, dtype=torch.float8_e4m3fn))  # 16-byte rows
     assert not weight_descriptors(torch.empty(4 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 128))
+    monkeypatch.delattr(tl, "make_tensor_descriptor")  # a Triton from before them
+    assert not weight_descriptors(w)
 
 
 def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):

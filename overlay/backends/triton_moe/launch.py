@@ -128,11 +128,11 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
 
 def weight_descriptors(weight: torch.Tensor) -> bool:
     """Whether a kernel can read `weight` (`[E, N, K]`) through one 2-D tensor descriptor over
-    `[E * N, K]`: contiguous, with 16-byte aligned base and rows (a TMA's rules on Hopper).
-    Installs the scratch allocator such kernels need when it can."""
+    `[E * N, K]`: contiguous, with 16-byte aligned base and rows (a TMA's rules on Hopper),
+    on a Triton that has them. Installs the scratch allocator such kernels need when it can."""
     size = weight.element_size()
-    ok = (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and weight.stride(1) * size % 16 == 0
-          and weight.shape[0] * weight.shape[1] < 2**31)
+    ok = (hasattr(tl, "make_tensor_descriptor") and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+          and weight.stride(1) * size % 16 == 0 and weight.shape[0] * weight.shape[1] < 2**31)
     if ok:
         triton.set_allocator(_descriptor_scratch)
     return ok
