@@ -21,7 +21,14 @@ from moe_overlay.backends.problems import (
 )
 from moe_overlay.backends.reference import reference_moe
 from moe_overlay.backends.triton_moe.bench import relative_error
-from moe_overlay.backends.triton_moe.configs import USER_FILES_ENV, LayerShape, current_table, device_name, is_tuned
+from moe_overlay.backends.triton_moe.configs import (
+    USER_FILES_ENV,
+    LayerShape,
+    current_table,
+    default_config,
+    device_name,
+    is_tuned,
+)
 from moe_overlay.routing import grouped_topk
 
 pytestmark = pytest.mark.gpu
@@ -235,9 +242,17 @@ def test_model_layers_match_the_reference(model_weights, name, weights, m):
 
 
 @needs_cuda
+@pytest.mark.parametrize("descriptors", [False, True], ids=["plain-loads", "descriptors"])
 @pytest.mark.parametrize("m", [1, 64])
-def test_cuda_graph_replay_matches_eager_on_new_inputs(m):
+def test_cuda_graph_replay_matches_eager_on_new_inputs(m, descriptors, tmp_path, monkeypatch):
     spec = mo.MoESpec(16, 512, 256, 4, mo.Activation.situ())
+    if descriptors:  # their device scratch comes from the allocator hook: it must be captured too
+        entry = default_config(LayerShape.of(spec), m).to_json()
+        for kernel in ("gate_up", "down"):
+            entry[kernel]["descriptors"] = True
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
     prepared, _, (x, w, ids) = _check(spec, m, tol=1e-2)
     static = [t.clone() for t in (x, w, ids)]
     graph = torch.cuda.CUDAGraph()
