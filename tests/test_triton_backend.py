@@ -230,6 +230,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
     tl = pytest.importorskip("triton.language")
+    from moe_overlay.backends.triton_moe import launch
     from moe_overlay.backends.triton_moe.launch import weight_descriptors
 
     w = torch.empty(4, 64, 128, dtype=torch.bfloat16)
@@ -238,6 +239,9 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypa
     assert not weight_descriptors(torch.empty(4, 64, 100, dtype=torch.bfloat16))  # 200-byte rows
     assert weight_descriptors(torch.empty(4, 64, 16, dtype=torch.float8_e4m3fn))  # 16-byte rows
     assert not weight_descriptors(torch.empty(4 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 128))
+    asked = configs.KernelConfig(64, 64, 4, 3, descriptors=True)
+    assert launch._descriptors(asked, w) and not launch._descriptors(replace(asked, descriptors=False), w)
+    assert not launch._descriptors(asked, w.transpose(1, 2))  # asked for, but the weight rules them out
     monkeypatch.delattr(tl, "make_tensor_descriptor")  # a Triton from before them
     assert not weight_descriptors(w)
 

@@ -129,13 +129,18 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
 def weight_descriptors(weight: torch.Tensor) -> bool:
     """Whether a kernel can read `weight` (`[E, N, K]`) through one 2-D tensor descriptor over
     `[E * N, K]`: contiguous, with 16-byte aligned base and rows (a TMA's rules on Hopper),
-    on a Triton that has them. Installs the scratch allocator such kernels need when it can."""
-    size = weight.element_size()
-    ok = (hasattr(tl, "make_tensor_descriptor") and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-          and weight.stride(1) * size % 16 == 0 and weight.shape[0] * weight.shape[1] < 2**31)
-    if ok:
-        triton.set_allocator(_descriptor_scratch)
-    return ok
+    on a Triton that has them."""
+    return (hasattr(tl, "make_tensor_descriptor") and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and weight.stride(1) * weight.element_size() % 16 == 0 and weight.shape[0] * weight.shape[1] < 2**31)
+
+
+def _descriptors(cfg: KernelConfig, weight: torch.Tensor) -> bool:
+    """Whether this launch reads its weight tiles through descriptors: its entry asks and the
+    weight allows. Then installs the scratch allocator the kernel's descriptors need."""
+    if not (cfg.descriptors and weight_descriptors(weight)):
+        return False
+    triton.set_allocator(_descriptor_scratch)
+    return True
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -179,7 +184,7 @@ def gate_up(
         out.stride(0), layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
-        W_DESC=cfg.descriptors and layer.shape.interleaved and weight_descriptors(w13),
+        W_DESC=layer.shape.interleaved and _descriptors(cfg, w13),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
         A_FP8=a_fp8,
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
@@ -227,7 +232,7 @@ def down(
         tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, W_DESC=cfg.descriptors and weight_descriptors(w2),
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, W_DESC=_descriptors(cfg, w2),
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -252,7 +257,7 @@ def _down_resident(
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
         w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=cfg.descriptors and weight_descriptors(w2), N_SPLIT=cfg.n_split,
+        WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=_descriptors(cfg, w2), N_SPLIT=cfg.n_split,
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
