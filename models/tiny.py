@@ -1,7 +1,8 @@
 """The embedded tiny models: deterministic random weights and a locally built tokenizer.
 
 Built on first use into a git-ignored folder; no hub access. A recipe change changes
-its fingerprint, so a stale build is replaced instead of silently reused.
+its fingerprint, so a stale build is replaced instead of silently reused. Each twin's
+recipe lives in `models/twins/<architecture>.py` and registers itself in `RECIPES`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ import hashlib
 import json
 import shutil
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
 
 FINGERPRINT_FILE = "moe_overlay_recipe.json"
 CHAT_TEMPLATE = (
@@ -21,31 +27,43 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class TinyMixtralRecipe:
-    """A Mixtral-architecture model small enough for CI, big enough to be non-trivial."""
+class Tokens:
+    """What a twin's config needs of the byte-level tokenizer built beside it."""
 
-    architecture: str = "MixtralForCausalLM"
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4  # head_dim 32: vLLM's CPU attention rejects smaller
-    num_key_value_heads: int = 2
-    num_local_experts: int = 8
-    num_experts_per_tok: int = 2
-    max_position_embeddings: int = 1024
-    initializer_range: float = 0.08  # wide enough that greedy choices are not near-ties
-    seed: int = 20261129
-    tokenizer: str = "bytes-v1"  # token id = byte value; bump when the builder changes
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
 
+
+class Recipe(ABC):
+    """A twin: the architecture name and config keys of a real checkpoint, tiny sizes.
+
+    Subclasses are frozen dataclasses whose fields are the recipe (every field, a seed among
+    them, is in the fingerprint) and implement `write`, which puts config.json and the
+    weights into a folder.
+    """
+
+    tokenizer: ClassVar[str] = "bytes-v1"  # token id = byte value; bump when the builder changes
+
+    @abstractmethod
+    def write(self, out: Path, tokens: Tokens) -> str:
+        """Write config.json and the safetensors into `out`; return a one-line summary."""
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        payload = {"class": type(self).__name__, "tokenizer": self.tokenizer, **asdict(self)}  # type: ignore[call-overload]
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-RECIPES = {"tiny-mixtral": TinyMixtralRecipe()}
+RECIPES: dict[str, Recipe] = {}
 
 
-def _progress(message: str) -> None:
+def register(name: str, recipe: Recipe) -> None:
+    if name in RECIPES:
+        raise ValueError(f"embedded model {name!r} is registered twice")
+    RECIPES[name] = recipe
+
+
+def progress(message: str) -> None:
     print(f"[moe-overlay] {message}", file=sys.stderr, flush=True)
 
 
@@ -57,7 +75,7 @@ def byte_symbols() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def _build_tokenizer(out: Path):
+def _build_tokenizer(out: Path) -> Tokens:
     """A byte-level tokenizer (token id = byte value) with chat special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -73,48 +91,37 @@ def _build_tokenizer(out: Path):
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    return fast
+    return Tokens(len(fast), fast.bos_token_id, fast.eos_token_id)
+
+
+def write_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+    """config.json and model.safetensors as a hub checkpoint has them; returns the parameter count."""
+    from safetensors.torch import save_file
+
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return sum(t.numel() for t in tensors.values())
 
 
 def build(name: str, out: Path) -> Path:
     """Build the named tiny model into `out` unless an identical build is already there."""
+    from . import twins  # noqa: F401  (registers every twin's recipe)
+
     recipe = RECIPES[name]
     stamp = out / FINGERPRINT_FILE
     if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == recipe.fingerprint():
         return out
-    _progress(f"building the embedded model {name!r} into {out}")
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
+    progress(f"building the embedded model {name!r} into {out}")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = _build_tokenizer(tmp)
-    vocab = len(tokenizer)
-    _progress(f"tokenizer: byte-level, {vocab} tokens")
-    config = MixtralConfig(
-        vocab_size=vocab,  # no ids the tokenizer cannot decode
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_hidden_layers,
-        num_attention_heads=recipe.num_attention_heads,
-        num_key_value_heads=recipe.num_key_value_heads,
-        num_local_experts=recipe.num_local_experts,
-        num_experts_per_tok=recipe.num_experts_per_tok,
-        max_position_embeddings=recipe.max_position_embeddings,
-        initializer_range=recipe.initializer_range,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(recipe.seed)
-    model = MixtralForCausalLM(config).eval()
-    model.save_pretrained(tmp, safe_serialization=True)
+    tokens = _build_tokenizer(tmp)
+    progress(f"tokenizer: byte-level, {tokens.vocab_size} tokens")
+    summary = recipe.write(tmp, tokens)
     (tmp / FINGERPRINT_FILE).write_text(json.dumps({"name": name, "fingerprint": recipe.fingerprint(),
                                                     "recipe": asdict(recipe)}, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    n_params = sum(p.numel() for p in model.parameters())
-    _progress(f"built {name}: {n_params / 1e6:.2f} M parameters, {recipe.num_local_experts} experts")
+    progress(f"built {name}: {summary}")
     return out

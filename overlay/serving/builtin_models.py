@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..models import twins  # noqa: F401  (registers every twin's recipe)
 from ..models.tiny import RECIPES, build
 
 STATE_ENV = "MOE_OVERLAY_VAR"
