@@ -18,6 +18,7 @@ RPC_METHOD = "moe_overlay_describe"  # the worker method that /v1/moe gathers th
 # Architecture name -> the overlay class that replaces upstream's, imported lazily by vLLM.
 ARCHITECTURES = {
     "MixtralForCausalLM": "moe_overlay.models.mixtral:OverlayMixtralForCausalLM",
+    "DeepseekV3ForCausalLM": "moe_overlay.models.deepseek_v3:OverlayDeepseekV3ForCausalLM",
 }
 
 _installed_in_pid: int | None = None
