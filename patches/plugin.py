@@ -19,6 +19,10 @@ RPC_METHOD = "moe_overlay_describe"  # the worker method that /v1/moe gathers th
 ARCHITECTURES = {
     "MixtralForCausalLM": "moe_overlay.models.mixtral:OverlayMixtralForCausalLM",
     "DeepseekV3ForCausalLM": "moe_overlay.models.deepseek_v3:OverlayDeepseekV3ForCausalLM",
+    "KimiK3ForConditionalGeneration": "moe_overlay.models.kimi_k3:OverlayKimiK3ForConditionalGeneration",
+    "KimiLinearForCausalLM": "moe_overlay.models.kimi_k3:OverlayKimiLinearForCausalLM",
+    "Llama4ForCausalLM": "moe_overlay.models.llama4:OverlayLlama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "moe_overlay.models.llama4:OverlayLlama4ForConditionalGeneration",
 }
 
 _installed_in_pid: int | None = None
