@@ -21,8 +21,6 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "moe_overlay.models.deepseek_v3:OverlayDeepseekV3ForCausalLM",
     "KimiK3ForConditionalGeneration": "moe_overlay.models.kimi_k3:OverlayKimiK3ForConditionalGeneration",
     "KimiLinearForCausalLM": "moe_overlay.models.kimi_k3:OverlayKimiLinearForCausalLM",
-    "KimiK3ForConditionalGeneration": "moe_overlay.models.kimi_k3:OverlayKimiK3ForConditionalGeneration",
-    "KimiLinearForCausalLM": "moe_overlay.models.kimi_k3:OverlayKimiLinearForCausalLM",
     "Llama4ForCausalLM": "moe_overlay.models.llama4:OverlayLlama4ForCausalLM",
     "Llama4ForConditionalGeneration": "moe_overlay.models.llama4:OverlayLlama4ForConditionalGeneration",
 }
