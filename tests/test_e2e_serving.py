@@ -4,80 +4,42 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-import yaml
 
 from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.harness import Server, serve
+from tests.e2e import (
+    DISABLED,
+    NEW_TOKENS,
+    PROMPTS,
+    ROOT,
+    assert_logprobs_agree,
+    config_variant,
+    generate,
+    mean_abs_diff,
+    prompt_ids,
+    score,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-mixtral.yaml"
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Q: What is 17 times 23?\nA:",
-    "Mixture-of-Experts models route each token to",
-    "1, 2, 3, 5, 8, 13,",
-    "<html><body>",
-    "The quick brown fox",
-]
-NEW_TOKENS = 32
-# bf16 rounding differs between kernels, and where a tiny random model's router logits nearly
-# tie a rounding difference can flip an expert choice; so the gate is on the distribution.
-BF16_MEDIAN_TOLERANCE = 0.01  # nats, median |logprob difference| per token
-BF16_P90_TOLERANCE = 0.05  # nats, 90th percentile
-DISABLED = {"MOE_OVERLAY_DISABLE": "1"}
+MODEL = "tiny-mixtral"
 
 pytestmark = pytest.mark.timeout(1800)
 
 
-def _config(tmp_path: Path, dtype: str) -> Path:
-    raw = yaml.safe_load(CONFIG.read_text())
-    raw["model"]["dtype"] = dtype
-    path = tmp_path / f"tiny-mixtral-{dtype}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def _generate(server: Server) -> list[list[int]]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"model": "tiny-mixtral", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}
-        out.append(server.post("/v1/completions", body)["choices"][0]["token_ids"])
-    return out
-
-
-def _score(server: Server, sequences: list[list[int]]) -> list[list[float]]:
-    """Log-probability of every token of each sequence after the first, as this server computes it."""
-    scores = []
-    for ids in sequences:
-        body = {"model": "tiny-mixtral", "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-        entries = server.post("/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
-        scores.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)])
-    return scores
-
-
-def _prompt_ids(server: Server) -> list[list[int]]:
-    body = {"model": "tiny-mixtral", "prompt": PROMPTS, "max_tokens": 1, "return_token_ids": True}
-    return [c["prompt_token_ids"] for c in server.post("/v1/completions", body)["choices"]]
-
-
 def _observe(server: Server) -> dict:
-    chat = server.post("/v1/chat/completions", {"model": "tiny-mixtral", "max_tokens": 8, "temperature": 0,
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0,
                                                 "messages": [{"role": "user", "content": "Hello!"}]})
-    return {"completions": _generate(server), "chat": chat, "moe": server.request("/v1/moe"),
-            "prompt_ids": _prompt_ids(server)}
+    return {"completions": generate(server, MODEL), "chat": chat, "moe": server.request("/v1/moe"),
+            "prompt_ids": prompt_ids(server, MODEL)}
 
 
 @pytest.fixture(scope="module")
 def float32_runs(tmp_path_factory):
     ensure_builtin("tiny-mixtral")
     logs = tmp_path_factory.mktemp("logs")
-    config = _config(tmp_path_factory.mktemp("cfg"), "float32")
+    config = config_variant(CONFIG, tmp_path_factory.mktemp("cfg"), dtype="float32")
     runs = {}
     for name, env in (("overlay", {}), ("stock", DISABLED)):
         with serve(config, logs / f"{name}.log", env) as server:
@@ -85,7 +47,7 @@ def float32_runs(tmp_path_factory):
             if name == "overlay":  # sequences the bf16 servers score against fp32's answer
                 runs["sequences"] = [p + t for p, t in zip(runs[name]["prompt_ids"], runs[name]["completions"],
                                                            strict=True)]
-                runs["scores"] = _score(server, runs["sequences"])
+                runs["scores"] = score(server, MODEL, runs["sequences"])
         runs[name]["log"] = server.log()
     return runs
 
@@ -93,11 +55,11 @@ def float32_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bfloat16_runs(tmp_path_factory, float32_runs):
     logs = tmp_path_factory.mktemp("logs")
-    config = _config(tmp_path_factory.mktemp("cfg"), "bfloat16")
+    config = config_variant(CONFIG, tmp_path_factory.mktemp("cfg"), dtype="bfloat16")
     runs = {"fp32": float32_runs["scores"]}
     for name, env in (("overlay", {}), ("stock", DISABLED)):
         with serve(config, logs / f"{name}.log", env) as server:
-            runs[name] = _score(server, float32_runs["sequences"])
+            runs[name] = score(server, MODEL, float32_runs["sequences"])
     return runs
 
 
@@ -152,20 +114,11 @@ def test_kill_switch_runs_stock(float32_runs):
     assert "MoE layers" not in stock["log"]
 
 
-def _abs_diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
-    return sorted(abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
-
-
 def test_bfloat16_logprobs_agree(bfloat16_runs):
-    diffs = _abs_diffs(bfloat16_runs["overlay"], bfloat16_runs["stock"])
-    assert len(diffs) >= len(PROMPTS) * NEW_TOKENS
-    median, p90 = diffs[len(diffs) // 2], diffs[int(len(diffs) * 0.9)]
-    summary = f"median {median:.4f}, p90 {p90:.4f}, max {diffs[-1]:.4f} nats"
-    assert median <= BF16_MEDIAN_TOLERANCE and p90 <= BF16_P90_TOLERANCE, summary
+    assert_logprobs_agree(bfloat16_runs["overlay"], bfloat16_runs["stock"])
 
 
 def test_bfloat16_overlay_is_as_close_to_float32_as_stock(bfloat16_runs):
-    overlay_err = _abs_diffs(bfloat16_runs["overlay"], bfloat16_runs["fp32"])
-    stock_err = _abs_diffs(bfloat16_runs["stock"], bfloat16_runs["fp32"])
-    mean_overlay, mean_stock = sum(overlay_err) / len(overlay_err), sum(stock_err) / len(stock_err)
+    mean_overlay = mean_abs_diff(bfloat16_runs["overlay"], bfloat16_runs["fp32"])
+    mean_stock = mean_abs_diff(bfloat16_runs["stock"], bfloat16_runs["fp32"])
     assert mean_overlay <= 1.25 * mean_stock + 1e-3, f"overlay {mean_overlay:.4f} vs stock {mean_stock:.4f} nats"
