@@ -18,18 +18,16 @@ import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.platforms import current_platform
 
 import moe_overlay as mo
 
 from ..patches.plugin import BACKEND_ENV, STRICT_ENV
 from .describe_table import format_table
+from .quant_methods import NotMapped, canonical_tensors, mapper_for
 from .vllm_backend import VllmBackend, upstream_kernel_name
 
-
-class NotMapped(Exception):
-    """The layer uses something the adapter does not model yet (reason in the message)."""
+__all__ = ["NotMapped", "OverlayMoEMethod", "OverlayRoutedExperts", "adapter_scope", "spec_from_layer"]
 
 
 @dataclass
@@ -112,8 +110,12 @@ def _activation(moe_config) -> mo.Activation:
 
 
 def spec_from_layer(layer: RoutedExperts, upstream: FusedMoEMethodBase) -> mo.MoESpec:
-    if type(upstream) is not UnquantizedFusedMoEMethod:
-        raise NotMapped(f"{type(upstream).__name__} checkpoints are not mapped to the adapter yet")
+    """The adapter's description of the layer; NotMapped names what it does not model."""
+    mapper = mapper_for(upstream)
+    try:
+        quant = mapper.spec(upstream)
+    except NotMapped as why:
+        raise NotMapped(f"{mapper.format}: {why}") from None
     cfg = layer.moe_config
     expert_map = getattr(layer, "_expert_map", None)
     return mo.MoESpec(
@@ -125,6 +127,7 @@ def spec_from_layer(layer: RoutedExperts, upstream: FusedMoEMethodBase) -> mo.Mo
         apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
         expert_map=None if expert_map is None else tuple(int(v) for v in expert_map.tolist()),
         dtype=cfg.in_dtype,
+        quant=quant,
         has_bias=bool(cfg.has_bias),
     )
 
@@ -145,9 +148,23 @@ def _select(name: str, layer: RoutedExperts, upstream: FusedMoEMethodBase) -> tu
     return spec, mo.select_backend(spec, _platform(), requested, strict)
 
 
+def _owned_by_the_adapter(layer) -> None:
+    raise RuntimeError(
+        "moe-overlay: upstream's process_weights_after_loading must not run on a layer whose experts the "
+        "adapter owns (it would re-lay-out or requantise the weights the adapter prepared)"
+    )
+
+
 class OverlayMoEMethod(FusedMoEMethodBase):
     """The layer's quant method when an adapter backend runs it: upstream's method still
-    creates the canonical weights; the adapter prepares them and runs the experts."""
+    creates the weights and its loader fills them (the checkpoint's format); the quant-method
+    table maps them to the adapter's canonical tensors, which the adapter prepares and runs.
+
+    Shared experts and routed scaling stay upstream's: this method has no modular kernel, so
+    `mk_can_overlap_shared_experts` is False and the MoE runner runs the shared experts itself and
+    adds their output; the router (or the runner) applies routed_scaling_factor. `apply` gets
+    the routed tokens and weights as upstream computed them and returns the routed experts' sum
+    only (see tests/test_shared_experts.py)."""
 
     def __init__(self, upstream: FusedMoEMethodBase, spec: mo.MoESpec, selection: mo.Selection,
                  record: LayerRecord) -> None:
@@ -157,6 +174,13 @@ class OverlayMoEMethod(FusedMoEMethodBase):
         self.selection = selection
         self.record = record
         self.prepared: mo.PreparedExperts | None = None
+        # Upstream's post-processing (re-layout, requantisation, renaming *_packed) must never
+        # touch the weights the adapter owns; fail loudly should anything call it.
+        upstream.process_weights_after_loading = _owned_by_the_adapter  # type: ignore[method-assign]
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        return False  # the runner runs the shared experts; apply never calls them
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -167,13 +191,15 @@ class OverlayMoEMethod(FusedMoEMethodBase):
         return self.upstream.get_fused_moe_quant_config(layer)
 
     def process_weights_after_loading(self, layer) -> None:
+        # Views of upstream's parameters (weights and scales) in canonical form, never copies.
+        tensors = canonical_tensors(self.upstream, layer, self.spec)
         if self.prepared is None:
-            tensors = {"w13": layer.w13_weight, "w2": layer.w2_weight}
-            if self.spec.has_bias:
-                tensors.update(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
             self.prepared = mo.PreparedExperts(self.spec, tensors, self.selection)
         else:
-            self.prepared.mark_reloaded()  # the loader restored before writing: all canonical now
+            # The loader restored before writing: all canonical now. Views are taken afresh
+            # (a per-tensor fp8 reload merges the w1/w3 scales again).
+            self.prepared.tensors.update(tensors)
+            self.prepared.mark_reloaded()
         self.prepared.prepare()
         self.record.mark_ready()
 
@@ -182,14 +208,20 @@ class OverlayMoEMethod(FusedMoEMethodBase):
             self.prepared.restore()
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        # shared_experts / shared_experts_input are handed over for kernels that overlap them
+        # internally (MK_INTERNAL_OVERLAPPED); this one does not (mk_can_overlap_shared_experts is
+        # False), so the runner has already run them and adds their output: calling them here
+        # would count them twice.
         assert self.prepared is not None, "process_weights_after_loading has not run"
         return self.prepared.apply(x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
 
     def describe(self) -> dict[str, Any]:
+        checkpoint = mapper_for(self.upstream).format
         if self.prepared is None:
             return {"backend": self.selection.backend.name, "reason": self.selection.reason,
+                    "quantisation": str(self.spec.quant), "checkpoint": checkpoint,
                     "rejected": dict(self.selection.rejected), "prepared": False}
-        return self.prepared.describe()
+        return {**self.prepared.describe(), "checkpoint": checkpoint}
 
 
 def _describe_upstream(upstream: FusedMoEMethodBase, spec: mo.MoESpec | None, selection: mo.Selection):

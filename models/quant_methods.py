@@ -1,0 +1,217 @@
+"""Upstream's MoE quant methods -> the adapter's QuantSpec and canonical tensors: one table.
+
+Each entry is keyed by the path of the upstream quant-method class that vLLM's
+`resolve_quant_method` picks for a checkpoint format (exact class: a subclass is another
+format until someone maps it). Its mapper says
+
+- `spec(method)`: the adapter's `QuantSpec` for what upstream's kernel computes (weights and,
+  for w8a8 kernels, how activations are quantised), read from the method's own attributes;
+  it raises `NotMapped` (format and why) for anything the adapter does not model;
+- `tensors(method, layer, spec)`: the layer's canonical tensors (`w13`, `w2`, their scales and
+  biases, see `moe_overlay.checks.canonical_shapes`) as views of the parameters that upstream's
+  `create_weights` made and its loader filled. Never a copy of the weights: only scale reshapes
+  (`[E, N, 1] -> [E, N]`) and, for per-tensor fp8, a merge of the w1/w3 scales done in place
+  (as upstream's own post-processing does; see `_merge_w13_tensor_scales`).
+
+Every class path and parameter name below has a contract entry in `patches/ledger.py`
+(`quant_method_expectations`), so an upstream rename refuses to start instead of falling
+back silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import moe_overlay as mo
+from moe_overlay.quant import fp8_max
+from moe_overlay.spec import MXFP4_GROUP
+
+
+class NotMapped(Exception):
+    """The layer uses something the adapter does not model yet (format and reason in the message)."""
+
+
+Tensors = dict[str, torch.Tensor]
+
+UNQUANTIZED = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
+FP8 = "vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod"
+_CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
+CT_W8A8_FP8 = f"{_CT_MOE}.compressed_tensors_moe_w8a8_fp8:CompressedTensorsW8A8Fp8MoEMethod"
+CT_W4A4_MXFP4 = f"{_CT_MOE}.compressed_tensors_moe_w4a4_mxfp4:CompressedTensorsW4A4Mxfp4MoEMethod"
+
+
+@dataclass(frozen=True)
+class QuantMapper:
+    format: str  # the checkpoint format, as a person would name it
+    spec: Callable[[Any], mo.QuantSpec]
+    tensors: Callable[[Any, Any, mo.MoESpec], Tensors]
+    # What the mapper reads: the method's attributes and the layer's parameter names
+    # (the ledger checks the attributes exist; the tests check create_weights makes the parameters).
+    method_attrs: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+
+
+def class_path(method: object) -> str:
+    cls = type(method)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def mapper_for(method: object) -> QuantMapper:
+    mapper = QUANT_METHODS.get(class_path(method))
+    if mapper is None:
+        raise NotMapped(f"{type(method).__name__} checkpoints are not mapped to the adapter yet")
+    return mapper
+
+
+def quant_spec(method: object) -> mo.QuantSpec:
+    return mapper_for(method).spec(method)
+
+
+def canonical_tensors(method: object, layer: Any, spec: mo.MoESpec) -> Tensors:
+    tensors = mapper_for(method).tensors(method, layer, spec)
+    if spec.has_bias:
+        tensors.update(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+    return tensors
+
+
+# -- unquantised -----------------------------------------------------------------------------
+
+
+def _unquantized_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    return {"w13": layer.w13_weight, "w2": layer.w2_weight}
+
+
+# -- fp8 -------------------------------------------------------------------------------------
+
+
+def _block(shape) -> tuple[int, int]:
+    return int(shape[0]), int(shape[1])
+
+
+def _merge_w13_tensor_scales(w13: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per-tensor fp8: the checkpoint has one scale for w1 and one for w3 (`scales [E, 2]`);
+    the adapter (like every per-tensor kernel) takes one per expert. Requantise each half to
+    the larger scale in place, exactly what upstream's process_fp8_weight_tensor_strategy_moe
+    does, and write that scale to both columns, so the parameters stay a consistent checkpoint
+    (a later reload of one shard merges again). Returns the `[E]` view of the merged scale."""
+    if scales.shape[1] == 1:
+        return scales[:, 0]
+    shard = w13.shape[1] // scales.shape[1]
+    merged = scales.amax(dim=1)
+    fmax = fp8_max(w13.dtype)
+    for s in range(scales.shape[1]):
+        redo = (scales[:, s] != merged).nonzero().flatten().tolist()
+        for e in redo:
+            rows = w13.data[e, s * shard:(s + 1) * shard]
+            value = rows.float() * scales[e, s] / merged[e]
+            rows.copy_(value.clamp(-fmax, fmax).to(w13.dtype))
+    scales.data.copy_(merged.unsqueeze(1).expand_as(scales))
+    return scales[:, 0]
+
+
+def _fp8_spec(method) -> mo.QuantSpec:
+    if method.block_quant:
+        # With a TP shard that is not a whole number of checkpoint blocks upstream refines the
+        # scale grid (weight_scale_refine) and the loader upsamples the scales onto it.
+        block = method.moe_block_shape if method.weight_scale_refine is not None else method.weight_block_size
+        # Fp8Config refuses block weights with static activations: dynamic per token and block[1] columns.
+        return mo.QuantSpec("fp8", "block", _block(block), "e4m3fn", "fp8_block")
+    if method.quant_config.activation_scheme != "dynamic":
+        raise NotMapped("fp8 per-tensor with static activation scales (activation_scheme 'static') "
+                        "is not modelled by the adapter (it quantises activations dynamically)")
+    return mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
+
+
+def _fp8_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    if method.block_quant:
+        return {"w13": w13, "w2": w2, "w13_scale": layer.w13_weight_scale_inv,
+                "w2_scale": layer.w2_weight_scale_inv}
+    return {"w13": w13, "w2": w2, "w13_scale": _merge_w13_tensor_scales(w13, layer.w13_weight_scale),
+            "w2_scale": layer.w2_weight_scale}
+
+
+# -- compressed-tensors w8a8 fp8 ---------------------------------------------------------------
+
+
+def _ct_fp8_spec(method) -> mo.QuantSpec:
+    from compressed_tensors.quantization import QuantizationStrategy as S
+
+    w, a = method.weight_quant, method.input_quant
+    if not a.dynamic:
+        raise NotMapped(f"compressed-tensors fp8 with static {a.strategy} activation scales is not "
+                        "modelled by the adapter (it quantises activations dynamically)")
+    if w.strategy == S.CHANNEL:  # upstream allows only dynamic per-token activations with these
+        return mo.QuantSpec("fp8", "channel", activations="fp8_token")
+    if w.strategy == S.TENSOR:
+        return mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
+    block = _block(method.weight_block_size)
+    if a.strategy != S.GROUP or a.group_size != block[1]:
+        raise NotMapped(f"compressed-tensors fp8 block {list(block)} weights with {a.strategy} activations "
+                        f"(group {a.group_size}) are not modelled; the adapter groups activations by block[1]")
+    return mo.QuantSpec("fp8", "block", block, "e4m3fn", "fp8_block")
+
+
+def _ct_fp8_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    s13, s2 = layer.w13_weight_scale, layer.w2_weight_scale
+    gran = spec.quant.granularity
+    if gran == "channel":  # upstream keeps a trailing 1: [E, N, 1]
+        return {"w13": w13, "w2": w2, "w13_scale": s13.squeeze(-1), "w2_scale": s2.squeeze(-1)}
+    if gran == "tensor":
+        s13 = _merge_w13_tensor_scales(w13, s13)
+    return {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}
+
+
+# -- compressed-tensors mxfp4 (mxfp4-pack-quantized) ------------------------------------------
+
+
+def _ct_mxfp4_spec(method) -> mo.QuantSpec:
+    if method.group_size != MXFP4_GROUP:
+        raise NotMapped(f"mxfp4 with group size {method.group_size} is not modelled (the adapter's is 32)")
+    if method.use_cutlass_mxfp4:
+        # On a GPU with native fp4 upstream runs CUTLASS w4a4 (activations quantised to mxfp4 too);
+        # the adapter computes w4a16 (what upstream's Marlin and XPU paths compute), so it would not
+        # be what stock computes there.
+        raise NotMapped("mxfp4 with mxfp4 activations (upstream's CUTLASS w4a4 on this GPU) is not "
+                        "modelled by the adapter (weight-only mxfp4)")
+    return mo.QuantSpec("mxfp4")
+
+
+def _ct_mxfp4_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    # compressed-tensors packs two e2m1 codes per byte, element 2j in the low nibble
+    # (compressors/nvfp4/helpers.py pack_fp4_to_uint8: `idx[:, 0] | idx[:, 1] << 4`), along K,
+    # and stores e8m0 exponents (bias 127) as uint8 (mx_utils.compress_mx_scale): the adapter's
+    # canonical mxfp4 exactly. Upstream's own post-processing renames *_weight_packed to
+    # *_weight; it never runs on a layer the adapter owns, so the names stay the checkpoint's.
+    return {"w13": layer.w13_weight_packed, "w2": layer.w2_weight_packed,
+            "w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale}
+
+
+QUANT_METHODS: dict[str, QuantMapper] = {
+    UNQUANTIZED: QuantMapper(
+        "unquantised", lambda method: mo.QuantSpec(), _unquantized_tensors,
+        params=("w13_weight", "w2_weight"),
+    ),
+    FP8: QuantMapper(
+        "fp8 (quant_method 'fp8': 128x128 block weight_scale_inv, or per-tensor)", _fp8_spec, _fp8_tensors,
+        method_attrs=("block_quant", "weight_block_size", "moe_block_shape", "weight_scale_refine",
+                      "quant_config"),
+        params=("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv",
+                "w13_weight_scale", "w2_weight_scale"),
+    ),
+    CT_W8A8_FP8: QuantMapper(
+        "compressed-tensors fp8 w8a8 (per-channel, per-tensor or block weights)", _ct_fp8_spec, _ct_fp8_tensors,
+        method_attrs=("weight_quant", "input_quant", "weight_block_size"),
+        params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+    ),
+    CT_W4A4_MXFP4: QuantMapper(
+        "compressed-tensors mxfp4-pack-quantized (e2m1, e8m0 scale per 32)", _ct_mxfp4_spec, _ct_mxfp4_tensors,
+        method_attrs=("group_size", "use_cutlass_mxfp4"),
+        params=("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"),
+    ),
+}
