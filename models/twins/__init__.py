@@ -1,3 +1,6 @@
 """The tiny twins, one module per architecture; importing this registers every recipe."""
 
-from . import mixtral  # noqa: F401
+from . import (
+    deepseek_v3,  # noqa: F401
+    mixtral,  # noqa: F401
+)
