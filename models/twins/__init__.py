@@ -2,5 +2,6 @@
 
 from . import (
     deepseek_v3,  # noqa: F401
+    llama4,  # noqa: F401
     mixtral,  # noqa: F401
 )
