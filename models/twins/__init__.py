@@ -2,6 +2,7 @@
 
 from . import (
     deepseek_v3,  # noqa: F401
+    kimi_k3,  # noqa: F401
     llama4,  # noqa: F401
     mixtral,  # noqa: F401
 )
