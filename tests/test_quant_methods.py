@@ -1,0 +1,337 @@
+"""The quant-method table against upstream's own quant methods, built from real quant configs.
+
+For each checkpoint format: upstream's config object (Fp8Config, CompressedTensorsConfig) from a
+checkpoint's `quantization_config`, upstream's FusedMoEFactory on CPU, its `create_weights`, its
+loader fed checkpoint-style per-expert tensors (quantised here with moe_overlay.quant), then the
+table, the adapter's torch reference, and plain dequantised maths written below.
+
+The published formats these dicts stand for:
+- DeepSeek-V3 / Kimi-K2 `config.json`: {"quant_method": "fp8", "fmt": "e4m3",
+  "activation_scheme": "dynamic", "weight_block_size": [128, 128]}; tensors `weight` (e4m3fn) and
+  `weight_scale_inv` (fp32, one per 128x128 block).
+- Llama-4 Maverick FP8 (meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8), compressed-tensors
+  `float-quantized`: vLLM parses its MoE scheme as weights `num_bits=8 type='float'
+  symmetric=True group_size=None strategy='channel' dynamic=False observer='minmax'` and input
+  activations `num_bits=8 type='float' symmetric=True strategy='token' dynamic=True
+  observer=None` (printed in full by vLLM's error in vllm-project/vllm#16474, "Error when
+  running Llama-4-Maverick-17B-128E-Instruct-FP8 on mi300x"; vllm#16537 then enabled exactly
+  this channel/token scheme for CompressedTensorsW8A8Fp8MoEMethod). Tensors `weight` and
+  `weight_scale` ([N, 1]).
+- Kimi-K3 experts, compressed-tensors `mxfp4-pack-quantized`: weights 4-bit float, group 32,
+  symmetric; tensors `weight_packed` (uint8, two e2m1 per byte, element 2j in the low nibble:
+  compressed_tensors' pack_fp4_to_uint8) and `weight_scale` (uint8 e8m0 exponents, bias 127:
+  compressed_tensors' compress_mx_scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("vllm", reason="these tests check the table against the installed vLLM")
+import torch
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+import moe_overlay as mo
+from moe_overlay.models import moe_layer, quant_methods
+from moe_overlay.models.moe_layer import OverlayMoEMethod, OverlayRoutedExperts, adapter_scope, describe_rows
+from moe_overlay.quant import quantize_fp8, quantize_mxfp4
+from tests.vllm_layers import build_moe, forward, load, vllm_context
+
+E, H, I, K, T = 4, 256, 256, 2, 6
+FP8_MAX = 448.0
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+DEEPSEEK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+FP8_STATIC = {"quant_method": "fp8", "activation_scheme": "static"}
+
+
+def _ct_args(**kw):
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None,
+            "actorder": None, "observer_kwargs": {}, **kw}
+
+
+def compressed_tensors(fmt: str, weights: dict, inputs: dict | None) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": inputs, "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+MAVERICK_FP8 = compressed_tensors(
+    "float-quantized",
+    _ct_args(strategy="channel", dynamic=False, observer="minmax"),
+    _ct_args(strategy="token", dynamic=True, observer=None),
+)
+CT_FP8_TENSOR = compressed_tensors(
+    "float-quantized",
+    _ct_args(strategy="tensor", dynamic=False, observer="minmax"),
+    _ct_args(strategy="tensor", dynamic=True, observer=None),
+)
+CT_FP8_STATIC = compressed_tensors(
+    "float-quantized",
+    _ct_args(strategy="tensor", dynamic=False, observer="minmax"),
+    _ct_args(strategy="tensor", dynamic=False, observer="minmax"),
+)
+K3_MXFP4 = compressed_tensors(
+    "mxfp4-pack-quantized",
+    {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False,
+     "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+    None,
+)
+
+
+# -- plain maths: what each format means, written out -------------------------------------------
+
+
+def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def quantise_activations(x: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "none":
+        return x
+    if mode == "fp8_token":  # one scale per row
+        return fp8_round(x, x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX)
+    if mode == "fp8_tensor":  # one scale for all the rows the expert gets
+        return fp8_round(x, x.abs().amax().clamp_min(1e-12) / FP8_MAX)
+    groups = x.view(x.shape[0], -1, 128)  # fp8_block: one scale per row and 128 columns
+    return fp8_round(groups, groups.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / FP8_MAX).view(x.shape)
+
+
+def dequantise(kind: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """One expert's checkpoint tensors `[N, K]` -> fp32."""
+    if kind == "none":
+        return w.float()
+    if kind == "mxfp4":
+        codes = torch.stack([w & 0xF, w >> 4], dim=-1).flatten(-2).long()  # low nibble = even k
+        magnitude = torch.tensor(E2M1)[codes & 7]
+        value = torch.where(codes >= 8, -magnitude, magnitude)
+        return value * (2.0 ** (s.float() - 127)).repeat_interleave(32, dim=1)
+    if kind == "block":
+        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        return w.float() * full
+    return w.float() * s.float().reshape(-1, 1)  # channel [N, 1] or tensor (a scalar)
+
+
+def plain_moe(x, experts, topk_weights, topk_ids, act_mode):
+    """experts[e] = (gate, up, down) in fp32; out[t] = sum_j w[t, j] * down(silu(gate h) * up h)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e, (gate, up, down) in enumerate(experts):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tok.numel():
+            h = quantise_activations(x[tok].float(), act_mode)
+            a = torch.nn.functional.silu(h @ gate.T) * (h @ up.T)
+            y = quantise_activations(a, act_mode) @ down.T
+            out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def make_checkpoint(kind: str, seed: int = 0):
+    """Per-expert checkpoint tensors for `kind`, and the same experts dequantised in fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    checkpoint, experts = {}, []
+    for e in range(E):
+        triple = []
+        for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            w = torch.randn(1, n, k, generator=gen) * 0.05 * (1 + e + (proj == "up_proj"))
+            name = f"{e}.{proj}"
+            if kind == "none":
+                tensors = {"weight": w[0].to(torch.bfloat16)}
+                q, s = tensors["weight"], None
+            elif kind == "mxfp4":
+                q, s = (t[0] for t in quantize_mxfp4(w))
+                tensors = {"weight_packed": q, "weight_scale": s}
+            else:
+                gran = {"block": "block", "channel": "channel", "tensor": "tensor"}[kind]
+                q, s = (t[0] for t in quantize_fp8(w, mo.QuantSpec("fp8", gran)))
+                scale_name = "weight_scale_inv" if kind == "block" else "weight_scale"
+                s = s.unsqueeze(-1) if kind == "channel" else s  # compressed-tensors: [N, 1]
+                tensors = {"weight": q, scale_name: s}
+            checkpoint.update({f"{name}.{k_}": v for k_, v in tensors.items()})
+            triple.append((q, s))
+        if kind == "tensor":  # one scale for gate and up: each requantised to the larger (as upstream)
+            top = torch.maximum(triple[0][1], triple[1][1])
+            triple[:2] = [((q.float() * s / top).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), top)
+                          for q, s in triple[:2]]
+        experts.append(tuple(dequantise(kind, q, s) for q, s in triple))
+    return checkpoint, experts
+
+
+FORMATS = {
+    # id: (quant config, checkpoint kind, expected QuantSpec, activation quantisation in the maths)
+    "deepseek-fp8-block": (lambda: Fp8Config.from_config(DEEPSEEK_FP8), "block",
+                           mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block"), "fp8_block"),
+    "fp8-per-tensor": (lambda: Fp8Config.from_config(FP8_PER_TENSOR), "tensor",
+                       mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"), "fp8_tensor"),
+    "maverick-ct-fp8-channel": (lambda: CompressedTensorsConfig.from_config(MAVERICK_FP8), "channel",
+                                mo.QuantSpec("fp8", "channel", activations="fp8_token"), "fp8_token"),
+    "ct-fp8-per-tensor": (lambda: CompressedTensorsConfig.from_config(CT_FP8_TENSOR), "tensor",
+                          mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"), "fp8_tensor"),
+    "k3-ct-mxfp4": (lambda: CompressedTensorsConfig.from_config(K3_MXFP4), "mxfp4", mo.QuantSpec("mxfp4"), "none"),
+    "unquantised": (lambda: None, "none", mo.QuantSpec(), "none"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _vllm(monkeypatch):
+    monkeypatch.setattr(moe_layer, "SCOPES", [])
+    monkeypatch.setenv("MOE_OVERLAY_BACKEND", "torch")
+    monkeypatch.delenv("MOE_OVERLAY_STRICT", raising=False)
+    with vllm_context():
+        yield
+
+
+def routes(seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=gen)
+    weights, ids = torch.softmax(logits, dim=1).topk(K, dim=1)
+    return x, logits.to(torch.bfloat16), weights / weights.sum(dim=1, keepdim=True), ids.to(torch.int32)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.02) -> bool:
+    err = (actual.float() - expected.float()).norm() / expected.float().norm()
+    return bool(err < tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_table_reads_upstreams_parameters_in_canonical_form(fmt):
+    """Upstream's stock RoutedExperts, filled by its loader; the table's views, run by the
+    reference, equal the published maths; and no weight is copied."""
+    config, kind, expected_quant, act_mode = FORMATS[fmt]
+    runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
+    layer, method = runner.routed_experts, runner.routed_experts.quant_method
+    checkpoint, experts = make_checkpoint(kind)
+    loaded = set(runner.load_weights(checkpoint.items()))  # upstream's post-processing is not run
+    spec = moe_layer.spec_from_layer(layer, method)
+    assert spec.quant == expected_quant
+    mapper = quant_methods.mapper_for(method)
+    assert loaded == {f"routed_experts.{p}" for p in mapper.params if hasattr(layer, p)}
+    tensors = quant_methods.canonical_tensors(method, layer, spec)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    assert all(t.untyped_storage().data_ptr() in params for t in tensors.values()), "a copy, not a view"
+    x, _, weights, ids = routes()
+    out = mo.PreparedExperts(spec, tensors, mo.get_backend("torch")).apply(x, weights, ids)
+    expected = plain_moe(x, experts, weights, ids, act_mode)
+    assert close(out, expected), f"{fmt}: adapter != published maths"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_overlay_runs_each_format_through_upstreams_layer(fmt):
+    """OverlayRoutedExperts inside an overlay architecture: upstream's runner and router, the
+    adapter's experts; the output is the published maths and /v1/moe names the format."""
+    config, kind, expected_quant, act_mode = FORMATS[fmt]
+    with adapter_scope("TestForCausalLM"):
+        runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config(),
+                           routed_experts_cls=OverlayRoutedExperts)
+    method = runner.routed_experts.quant_method
+    assert isinstance(method, OverlayMoEMethod) and method.spec.quant == expected_quant
+    checkpoint, experts = make_checkpoint(kind)
+    load(runner, checkpoint)
+    x, logits, weights, ids = routes()
+    out = forward(runner, x, logits)
+    assert close(out, plain_moe(x, experts, weights, ids, act_mode))
+    [row] = describe_rows()
+    assert row["backend"] == "torch" and row["prepared"] and row["quantisation"] == str(expected_quant)
+    assert row["checkpoint"] == quant_methods.mapper_for(method.upstream).format
+
+
+def test_upstreams_post_processing_never_runs_on_an_adapter_layer():
+    with adapter_scope("TestForCausalLM"):
+        runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                           quant_config=Fp8Config.from_config(DEEPSEEK_FP8), routed_experts_cls=OverlayRoutedExperts)
+    method = runner.routed_experts.quant_method
+    load(runner, make_checkpoint("block")[0])
+    with pytest.raises(RuntimeError, match="must not run on a layer whose experts the adapter owns"):
+        method.upstream.process_weights_after_loading(runner.routed_experts)
+    assert method.upstream.moe_kernel is None  # upstream never built its kernel
+
+
+def _overlay_fp8_per_tensor(selection=None):
+    with adapter_scope("TestForCausalLM"):
+        runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                           quant_config=Fp8Config.from_config(FP8_PER_TENSOR), routed_experts_cls=OverlayRoutedExperts)
+    if selection is not None:
+        runner.routed_experts.quant_method.selection = selection
+    return runner
+
+
+def test_per_tensor_fp8_merges_w1_w3_scales_in_place_and_again_after_a_reload():
+    """Two scales per expert on disk (w1, w3), one in the adapter: each half is requantised to
+    the larger in place; a reload of one shard (restored to canonical before the write) merges
+    again, and the layer then computes what a fresh load of the new checkpoint computes."""
+    from tests.backends_for_tests import RelayoutBackend
+
+    shuffled = mo.Layout("test-shuffle", shuffle=(16, 16), fp8_format="e4m3fnuz")  # rewrites weights and scales
+    runner = _overlay_fp8_per_tensor(mo.Selection(RelayoutBackend(shuffled), "test"))
+    layer, method = runner.routed_experts, runner.routed_experts.quant_method
+    checkpoint, experts = make_checkpoint("tensor")
+    w13_ptr = layer.w13_weight.data_ptr()
+    load(runner, checkpoint)
+    assert method.prepared.layout == shuffled and layer.w13_weight.data_ptr() == w13_ptr
+    x, logits, weights, ids = routes()
+    assert close(forward(runner, x, logits), plain_moe(x, experts, weights, ids, "fp8_tensor"))
+    # RL weight sync of one expert's gate/up, through upstream's loader. (A sync of one shard only
+    # requantises the other half a second time, as upstream's in-place merge would: within one
+    # fp8 step of a fresh load, not bit-equal.)
+    update = {k: v for k, v in make_checkpoint("tensor", seed=7)[0].items()
+              if k.startswith(("2.up_proj.", "2.gate_proj."))}
+    assert set(runner.load_weights(update.items())) == {"routed_experts.w13_weight", "routed_experts.w13_weight_scale"}
+    assert method.prepared.layout == mo.CANONICAL  # restored before the write
+    layer.quant_method.process_weights_after_loading(layer)
+    assert method.prepared.layout == shuffled
+    assert torch.equal(layer.w13_weight_scale[:, 0], layer.w13_weight_scale[:, 1])
+    fresh = _overlay_fp8_per_tensor()
+    load(fresh, {**checkpoint, **update})
+    assert torch.equal(forward(runner, x, logits), forward(fresh, x, logits))
+
+
+@pytest.mark.parametrize("config, why", [
+    (lambda: Fp8Config.from_config(FP8_STATIC), "static activation scales"),
+    (lambda: CompressedTensorsConfig.from_config(CT_FP8_STATIC), "static"),
+])
+def test_an_unmodelled_format_falls_back_in_auto_and_is_refused_in_strict(monkeypatch, config, why):
+    monkeypatch.setenv("MOE_OVERLAY_BACKEND", "auto")
+    with adapter_scope("TestForCausalLM"):
+        runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config(),
+                           routed_experts_cls=OverlayRoutedExperts)
+    assert not isinstance(runner.routed_experts.quant_method, OverlayMoEMethod)
+    [row] = describe_rows()
+    assert row["backend"] == "vllm" and why in row["reason"] and "vLLM's own kernel runs it" in row["reason"]
+    monkeypatch.setenv("MOE_OVERLAY_BACKEND", "torch")
+    monkeypatch.setenv("MOE_OVERLAY_STRICT", "1")
+    with adapter_scope("TestForCausalLM"), pytest.raises(mo.BackendUnavailableError) as err:
+        build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config(),
+                  routed_experts_cls=OverlayRoutedExperts, prefix="model.layers.9.mlp.experts")
+    message = str(err.value)
+    assert message.startswith("model.layers.9.mlp.experts: ") and why in message and "strict" in message
+    assert "fp8" in message  # the format
+
+
+def test_a_class_outside_the_table_is_not_mapped():
+    class Fp8Lookalike:  # a subclass or stand-in is another format until someone maps it
+        pass
+
+    with pytest.raises(quant_methods.NotMapped, match="Fp8Lookalike checkpoints are not mapped"):
+        quant_methods.mapper_for(Fp8Lookalike())
+
+
+def test_mxfp4_nibble_order_and_scales_match_compressed_tensors_own_packing():
+    """The adapter's canonical mxfp4 is what compressed-tensors writes: its packer and its scale
+    encoder on the same values give the adapter's bytes."""
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+
+    # every e2m1 value but -0 (the adapter writes 0 for it, compressed-tensors 0x8: both mean zero)
+    values = torch.tensor(E2M1 + tuple(-v for v in E2M1[1:]) + (1.0,), dtype=torch.float32).repeat(4, 2)
+    packed, scale = quantize_mxfp4(values.unsqueeze(0) * 8.0)  # a power-of-two scale of 8
+    assert torch.equal(packed[0], pack_fp4_to_uint8(values))
+    assert torch.equal(scale[0], compress_mx_scale(torch.full((4, 1), 8.0), torch.uint8))
+    assert math.isclose(float(dequantise("mxfp4", packed[0], scale[0])[0, 1]), 4.0)  # element 1: 0.5 * 8
