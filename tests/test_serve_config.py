@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_overlay.serving.config import ConfigError, load
+from moe_overlay.serving.config import ConfigError, gsm8k_gate, load
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-mixtral.yaml"
@@ -28,6 +28,8 @@ def _variant(tmp_path: Path, **sections) -> Path:
     for section, values in sections.items():
         if values is None:
             raw.pop(section, None)
+        elif not isinstance(values, dict):
+            raw[section] = values
         else:
             raw.setdefault(section, {}).update(values)
     return _write(tmp_path, yaml.safe_dump(raw))
@@ -79,13 +81,41 @@ def test_tiny_config_resolves(tmp_path, monkeypatch):
          r"env\.VLLM_ROCM_USE_AITER_MOE: conflicts with moe\.backend=torch"),
         ({"env": {"VLLM_PLUGINS": "x"}}, r"env\.VLLM_PLUGINS: is set by moe-overlay"),
         ({"env": {"A": [1]}}, r"env\.A: must be a string or number, got \[1\]"),
-        ({"accuracy": {"gsm8k": 0.9}}, r"accuracy: unknown section"),
+        ({"accuracy": {"gsm8k": 0.9}}, r"accuracy: unknown section \(known: model, moe, parallel, server, nodes, "),
+        ({"model": {"max_model_len": "4k"}}, r"model\.max_model_len: must be an integer, got '4k'"),
+        ({"parallel": {"tensor": True}}, r"parallel\.tensor: must be an integer, got True"),
+        ({"server": "localhost"}, r"server: must be a mapping, got 'localhost'"),
+        ({"nodes": {"count": 2}}, r"nodes\.head_address: is required with nodes\.count: 2"),
+        ({"nodes": {"count": 2, "head_address": "10.0.0.1"}, "parallel": {"data": 3}},
+         r"nodes\.count: 2 does not divide parallel\.data \(3\)"),
+        ({"nodes": {"rpc_port": 0}}, r"nodes\.rpc_port: 0 is not a TCP port"),
+        ({"vllm": {"headless": True}}, r"vllm\.headless: is set per node from the nodes: section"),
+        ({"hardware": {"gpus": "8x MI300X", "arch": "gfx90a"}},
+         r"hardware\.arch: 'gfx90a' is not one of gfx942, gfx950"),
+        ({"hardware": {"gpus": "8x MI300X"}}, r"hardware\.arch: is required"),
+        ({"hardware": {"gpus": "8x MI300X", "arch": "gfx942", "hbm": 192}},
+         r"hardware\.hbm: unknown key \(known: gpus, arch, notes\)"),
+        ({"gsm8k": {"published": 95.5, "source": "x"}}, r"gsm8k\.published: must be less than 1\.0, got 95\.5"),
+        ({"gsm8k": {"published": 0.9}}, r"gsm8k\.source: is required"),
     ],
 )
 def test_bad_config_names_file_key_and_value(tmp_path, sections, message):
     path = _variant(tmp_path, **sections)
     with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
         load(path)
+
+
+def test_empty_sections_are_empty(tmp_path):
+    path = _write(tmp_path, "model:\n  path: builtin:tiny-mixtral\nmoe:\nvllm:\n")
+    dep = load(path)
+    assert dep.backend == "auto" and dep.extra_flags == [] and dep.tensor == 1
+
+
+def test_gsm8k_gate_is_published_less_three_standard_errors():
+    # p = 0.5 on 1,319 questions: standard error sqrt(0.25 / 1319) = 0.013767
+    assert gsm8k_gate(0.5) == pytest.approx(0.5 - 3 * 0.013767, abs=1e-6)
+    assert gsm8k_gate(0.9553) == pytest.approx(0.93823, abs=1e-5)
+    assert gsm8k_gate(0.9553, questions=100) < gsm8k_gate(0.9553)  # fewer questions, wider
 
 
 def test_vllm_backend_keeps_upstream_aiter_switches(tmp_path):
@@ -133,3 +163,41 @@ def test_serve_port_in_use_is_one_line(tmp_path):
         port = busy.getsockname()[1]
         line = _one_error_line(_serve(str(TINY), "--port", str(port), cwd=tmp_path))
     assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+TWO_NODES = ROOT / "configs" / "kimi-k3-mi300x-2node-ep16.yaml"
+
+
+def test_dry_run_shows_every_node_of_a_two_node_deployment(tmp_path):
+    result = _serve(str(TWO_NODES), "--dry-run", "--head-address", "192.0.2.7", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    comments = [line for line in result.stdout.splitlines() if line.startswith("#")]
+    commands = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert comments == [f"# node 0 (head): moe-overlay serve {TWO_NODES} --role head --node-rank 0",
+                        f"# node 1 (worker): moe-overlay serve {TWO_NODES} --role worker --node-rank 1"]
+    head, worker = commands
+    assert "vllm.entrypoints.cli.main serve --model moonshotai/Kimi-K3" in head
+    for command in (head, worker):
+        assert "--data-parallel-size 2 " in command and "--data-parallel-size-local 1 " in command
+        assert "--data-parallel-address 192.0.2.7 " in command and "--tensor-parallel-size 8 " in command
+    assert "--headless" not in head and "--port 8000" in head
+    assert "--headless --data-parallel-start-rank 1" in worker and "--port" not in worker
+
+
+def test_dry_run_of_one_node(tmp_path):
+    result = _serve(str(TWO_NODES), "--dry-run", "--role", "worker", "--node-rank", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--headless") == 1 and result.stdout.startswith("# node 1 (worker)")
+
+
+@pytest.mark.parametrize(
+    "config,args,expected",
+    [
+        (TWO_NODES, ("--role", "worker", "--node-rank", "0"), r"--role worker is --node-rank 1\.\.1 \(got worker 0\)"),
+        (TWO_NODES, ("--node-rank", "2"), r"nodes\.count: 2 nodes"),
+        (TINY, ("--role", "worker"), r"nodes\.count: is 1, so there is only --role head --node-rank 0"),
+    ],
+)
+def test_bad_role_is_one_line(tmp_path, config, args, expected):
+    line = _one_error_line(_serve(str(config), "--dry-run", *args, cwd=tmp_path))
+    assert re.search(expected, line), line

@@ -1,6 +1,9 @@
 """`moe-overlay serve CONFIG`: resolve a deployment file and run vLLM's OpenAI server with it,
 in this process: the hook check imports vLLM, and the server then finds it imported (exec'ing
-a fresh server process imported it a second time, ~11 s of start-up on a 2-core machine)."""
+a fresh server process imported it a second time, ~11 s of start-up on a 2-core machine).
+
+A deployment over several nodes runs one `serve --role head|worker --node-rank N` per node;
+each is vLLM's own `vllm serve` with its data-parallel launcher flags (the worker `--headless`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import shlex
 import socket
 import sys
 
-from .config import BACKENDS, SERVER_MODULE, ConfigError, Deployment, load
+from .config import BACKENDS, ConfigError, Deployment, Node, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="override server.host")
     parser.add_argument("--port", type=int, help="override server.port")
     parser.add_argument("--backend", choices=BACKENDS, help="override moe.backend")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved command and exit")
+    parser.add_argument("--role", choices=("head", "worker"), help="this node's part (several nodes; default head)")
+    parser.add_argument("--node-rank", type=int, help="this node's rank, 0 for the head (several nodes)")
+    parser.add_argument("--head-address", help="override nodes.head_address")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved command (every node's, unless --role/--node-rank pick one) and exit")
 
 
 def _error(message: str) -> int:
@@ -59,12 +66,23 @@ def resolve(args: argparse.Namespace) -> Deployment:
         deployment.port = args.port
     if args.backend:
         deployment.backend = args.backend
+    if args.head_address:
+        deployment.nodes = deployment.nodes.model_copy(update={"head_address": args.head_address})
     return deployment
 
 
-def command_line(deployment: Deployment, env: dict[str, str]) -> str:
+def selected_nodes(deployment: Deployment, args: argparse.Namespace) -> list[Node]:
+    """--role/--node-rank pick one node; a dry run without them shows every node."""
+    if args.role is None and args.node_rank is None and args.dry_run:
+        return deployment.all_nodes()
+    role = args.role or ("head" if not args.node_rank else "worker")
+    rank = args.node_rank if args.node_rank is not None else 0
+    return [deployment.node(role, rank)]
+
+
+def command_line(deployment: Deployment, env: dict[str, str], node: Node | None = None) -> str:
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    return f"{assignments} {shlex.join(deployment.argv(sys.executable))}"
+    return f"{assignments} {shlex.join(deployment.argv(sys.executable, node))}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,20 +90,27 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         deployment = resolve(args)
+        nodes = selected_nodes(deployment, args)
     except ConfigError as err:
         return _error(str(err))
     env = deployment.environment(state_dir())
     if args.dry_run:
-        print(command_line(deployment, env))
+        for node in nodes:
+            if deployment.nodes.count > 1:
+                print(f"# node {node.rank} ({node.role}): moe-overlay serve {args.config} "
+                      f"--role {node.role} --node-rank {node.rank}")
+            print(command_line(deployment, env, node))
         return 0
-    if problem := _port_problem(deployment.host, deployment.port):
+    node = nodes[0]
+    if node.role == "head" and (problem := _port_problem(deployment.host, deployment.port)):
         return _error(problem)
     os.environ.update(env)  # before vLLM is first imported: it reads some settings at import
     if problem := _contract_problem():
         return _error(problem)
     if deployment.builtin:
         ensure_builtin(deployment.builtin)
-    print(f"[moe-overlay] starting: {command_line(deployment, env)}", file=sys.stderr, flush=True)
-    sys.argv = deployment.argv(sys.executable)[2:]  # [module, flags...]: what `python -m` would give it
-    runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)
+    print(f"[moe-overlay] starting: {command_line(deployment, env, node)}", file=sys.stderr, flush=True)
+    argv = deployment.argv(sys.executable, node)
+    sys.argv = argv[2:]  # [module, flags...]: what `python -m` would give it (the CLI's are `serve ...`)
+    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     return 0

@@ -1,0 +1,66 @@
+"""`moe-overlay config check [FILES]` and `moe-overlay config export-recipe FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load
+
+DEFAULT_GLOB = "configs/*.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = sub.add_parser("check", help="validate deployment files and parse every node's command line with "
+                                         "the installed vLLM's own argument parser")
+    check.add_argument("files", nargs="*", help=f"deployment YAMLs (default: {DEFAULT_GLOB})")
+    check.add_argument("--no-vllm", action="store_true", help="check the files only (do not import vLLM)")
+    export = sub.add_parser("export-recipe", help="write the deployment as a YAML of vLLM's recipes repository")
+    export.add_argument("file", help="deployment YAML")
+    export.add_argument("-o", "--output", help="write here instead of standard output")
+
+
+def _check(args: argparse.Namespace) -> int:
+    files = [Path(f) for f in args.files] or sorted(Path().glob(DEFAULT_GLOB))
+    if not files:
+        print(f"moe-overlay config check: error: no files given and none match {DEFAULT_GLOB}", file=sys.stderr)
+        return 2
+    failed = 0
+    for path in files:
+        try:
+            deployment = load(path)
+            if not args.no_vllm:
+                from .vllm_args import check_deployment, vllm_version
+
+                check_deployment(deployment)
+        except ConfigError as err:
+            print(f"FAIL {err}")
+            failed += 1
+            continue
+        checked = "file only" if args.no_vllm else f"vLLM {vllm_version()} parses every node's command line"
+        print(f"ok   {path} ({deployment.nodes.count} node(s); {checked})")
+    return 1 if failed else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .recipe import dump, recipe
+    from .vllm_args import check_deployment, vllm_version
+
+    try:
+        deployment = load(args.file)
+        check_deployment(deployment)
+        text = dump(recipe(deployment, vllm_version()))
+    except ConfigError as err:
+        print(f"moe-overlay config export-recipe: error: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return _check(args) if args.action == "check" else _export(args)

@@ -1,0 +1,48 @@
+"""Check a resolved command line against the installed vLLM's own `vllm serve` argument parser."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from .config import CLI_MODULE, ConfigError, Deployment, Node
+
+
+def server_flags(argv: list[str]) -> list[str]:
+    """The flags of `python -m MODULE [serve] FLAGS...` as `vllm serve` reads them."""
+    flags = argv[3:]
+    return flags[1:] if argv[2] == CLI_MODULE else flags
+
+
+def check_flags(flags: list[str]) -> None:
+    """Parse as `vllm serve` does (make_arg_parser, its validation, the engine arguments it builds);
+    a flag or value the installed vLLM refuses raises ValueError with vLLM's own message."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    messages = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(messages):
+            args = parser.parse_args(flags)
+    except SystemExit:
+        raise ValueError(messages.getvalue().strip().splitlines()[-1]) from None
+    validate_parsed_serve_args(args)
+    AsyncEngineArgs.from_cli_args(args)
+
+
+def check_deployment(deployment: Deployment, nodes: list[Node] | None = None) -> None:
+    """Every node's command line must parse with the installed vLLM; ConfigError names file and node."""
+    for node in nodes or deployment.all_nodes():
+        try:
+            check_flags(server_flags(deployment.argv("python", node)))
+        except ValueError as err:
+            raise ConfigError(f"{deployment.source}: node {node.rank} ({node.role}): vLLM refuses the command "
+                              f"line: {err}") from None
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
