@@ -122,7 +122,10 @@ def select_backend(
         why = _REGISTRY[name].unsupported_reason(spec, platform)
         if why is None:
             how = "first in auto order" if auto else f"requested ({', '.join(wanted)})"
-            return Selection(_REGISTRY[name], f"{how} that supports this layer on {platform}", rejected)
+            reason = f"{how} that supports this layer on {platform}"
+            if auto and rejected:  # why the faster ones were passed over, e.g. AITER's missing kernel
+                reason += f" (passed over: {'; '.join(f'{n}: {w}' for n, w in rejected.items())})"
+            return Selection(_REGISTRY[name], reason, rejected)
         rejected[name] = why
     if strict or auto:
         detail = "; ".join(f"{n}: {w}" for n, w in rejected.items())

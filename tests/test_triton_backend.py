@@ -63,9 +63,13 @@ def test_without_triton_says_so(monkeypatch):
     (mo.MoESpec(8, 256, 128, 2, mo.Activation.gelu()), H100, "activation gelu is not implemented"),
     (mo.MoESpec(8, 256, 128, 2, has_bias=True), H100, "biases are not implemented"),
     (mo.MoESpec(8, 256, 128, 2, dtype=torch.float32), H100, "float32 layers are not supported"),
-    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4")), H100, "mxfp4"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4")), mo.Platform("cuda", "amd", "gfx90a"),
+     "mxfp4 (tl.dot_scaled) needs gfx942 or gfx950"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4")), mo.Platform("cuda", "nvidia", "sm_75"), "sm_80"),
     (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "block", activations="fp8_token")), H100,
-     "activations='fp8_block'"),
+     "not 128x128 blocks"),
+    (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")), H100,
+     "or per-token scales ('fp8_token'), not 'fp8_tensor'"),
     (mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("fp8", "block", (64, 64), activations="fp8_block")), H100,
      "128x128"),
     (mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK), mo.Platform("cuda", "nvidia", "sm_80"), "sm_89 or newer"),
@@ -83,6 +87,12 @@ def test_unsupported_layers_are_refused_with_the_reason(with_triton, spec, platf
     (mo.MoESpec(8, 256, 128, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, 4)), H100),
     (mo.MoESpec(8, 256, 128, 2, dtype=torch.float16, quant=FP8_BLOCK), H100),
     (mo.MoESpec(8, 256, 128, 2, quant=FP8_BLOCK), mo.Platform("cuda", "amd", "gfx950")),
+    (mo.MoESpec(8, 256, 128, 1, apply_router_weight_on_input=True,
+                quant=mo.QuantSpec("fp8", "channel", activations="fp8_token")), H100),
+    *[(mo.MoESpec(896, 3584, 384, 16, mo.Activation.situ(), dtype=dtype, quant=mo.QuantSpec("mxfp4")), platform)
+      for dtype in (torch.bfloat16, torch.float16)
+      for platform in (H100, mo.Platform("cuda", "nvidia", "sm_80"), mo.Platform("cuda", "amd", "gfx942"),
+                       mo.Platform("cuda", "amd", "gfx950"))],
 ])
 def test_supported_layers(with_triton, spec, platform):
     assert TRITON.unsupported_reason(spec, platform) is None
@@ -197,6 +207,24 @@ def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, mon
     bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
     assert bf16.down.n_split == 2 and bf16.down.block_k == 64
     assert fp8.down.n_split == 0 and fp8.down.block_k == 128 == fp8.gate_up.block_k  # the resident block is bf16/fp16
+
+
+def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    shape = configs.LayerShape(8, 256, 128, 2, "mxfp4")
+    assert shape.key.endswith("-mxfp4") and not shape.interleaved and not shape.fp8
+    spec = mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4"))
+    assert configs.LayerShape.of(spec) == shape and TRITON.layout_for(spec, H100) == mo.CANONICAL
+    entry = {"block_m": 48, "gate_up": {**_entry(48)["gate_up"], "block_k": 32, "descriptors": True, "gemv": True},
+             "down": {**_entry(48)["down"], "block_k": 256, "n_split": 2, "descriptors": True}}
+    table = {"cpu": {shape.key: {"512": entry}}}
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json", table)))
+    config = launch.launch_config(shape, torch.device("cpu"), 512)
+    assert config.block_m == 32  # one row tile
+    assert config.gate_up.block_k == configs.MX_MIN_K and config.down.block_k == 256
+    assert not (config.gate_up.gemv or config.gate_up.descriptors or config.down.descriptors or config.down.n_split)
 
 
 def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypatch):
@@ -428,7 +456,11 @@ def test_floor_counts_distinct_experts_and_all_routes():
     assert floor.flops == 2 * 6 * 3 * 4096 * 1792
     assert floor.bound == "memory" and math.isclose(floor.seconds, floor.weight_bytes / 4e12)
     assert floor_for(spec, torch.zeros(8192, 2, dtype=torch.int32), 4e12, 800e12).bound == "compute"
-    assert bytes_per_expert(with_weights(spec, "fp8-block")) * 2 == bytes_per_expert(spec)
+    scales = 4 * math.ceil(2 * 1792 / 128) * math.ceil(4096 / 128) + 4 * math.ceil(4096 / 128) * math.ceil(1792 / 128)
+    assert bytes_per_expert(with_weights(spec, "fp8-block")) == 3 * 4096 * 1792 + scales  # one byte, fp32 scales
+    # mxfp4: half a byte per weight, one e8m0 byte per 32
+    assert bytes_per_expert(with_weights(spec, "mxfp4")) == 3 * 4096 * 1792 // 2 + 3 * 4096 * 1792 // 32
+    assert bytes_per_expert(with_weights(spec, "fp8-channel-token")) == 3 * 4096 * 1792 + 4 * (2 * 1792 + 4096)
 
 
 @pytest.mark.parametrize("spec", [mo.MoESpec(8, 64, 32, 2), mo.MoESpec(8, 64, 32, 1, apply_router_weight_on_input=True),

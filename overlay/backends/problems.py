@@ -4,6 +4,7 @@ and the hardware floor of each point."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,7 +15,9 @@ from ..spec import Activation, MoESpec, QuantSpec
 
 TOKEN_COUNTS = (1, 16, 128, 1024, 8192)
 ROUTINGS = 4  # routings per timed call, run back to back, so that weights come from HBM, not the L2
-WEIGHT_FORMATS = ("bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block")
+# fp8-*: w8a8 with 1x128 activation groups; fp8-channel-token: per-channel weights with dynamic
+# per-token activations (the FP8 Maverick checkpoint's format); mxfp4: w4a16
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-channel-token", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,13 @@ def model(name: str) -> Model:
 
 
 def with_weights(spec: MoESpec, weights: str) -> MoESpec:
-    """`spec` with weights in one of WEIGHT_FORMATS (fp8: w8a8, 1x128 activation groups)."""
+    """`spec` with weights in one of WEIGHT_FORMATS."""
     if weights == "fp16":
         return replace(spec, dtype=torch.float16)
+    if weights == "mxfp4":
+        return replace(spec, quant=QuantSpec("mxfp4"))
+    if weights == "fp8-channel-token":
+        return replace(spec, quant=QuantSpec("fp8", "channel", (128, 128), "e4m3fn", "fp8_token"))
     if weights.startswith("fp8-"):
         return replace(spec, quant=QuantSpec("fp8", weights.removeprefix("fp8-"), (128, 128), "e4m3fn", "fp8_block"))
     return spec
@@ -104,8 +111,8 @@ def random_calls(
 
 @dataclass(frozen=True)
 class Floor:
-    """The least time a point can take: all routed experts' weights read once from HBM, or
-    all its FLOPs at the bf16 matrix rate, whichever is longer."""
+    """The least time a point can take: all routed experts' weights (and scales) read once
+    from HBM, or all its FLOPs at the matrix rate of the format's GEMMs, whichever is longer."""
 
     weight_bytes: int
     flops: int
@@ -122,8 +129,10 @@ class Floor:
 
 
 def bytes_per_expert(spec: MoESpec) -> int:
-    elem = 1 if spec.quant.weights == "fp8" else torch.finfo(spec.dtype).bits // 8
-    return 3 * spec.hidden_size * spec.intermediate_size * elem
+    """HBM bytes of one expert as stored: its weights (packed for mxfp4) and their scales."""
+    total = sum(math.prod(shape) * (spec.dtype if spec.dtype in dtypes else dtypes[0]).itemsize
+                for shape, dtypes in canonical_shapes(spec).values())
+    return total // spec.num_local_experts
 
 
 def floor_for(spec: MoESpec, topk_ids: torch.Tensor, bandwidth: float, matrix_rate: float) -> Floor:

@@ -1,5 +1,6 @@
 """The Triton backend: a fused-MoE kernel for any GPU that Triton compiles for (NVIDIA, and
-ROCm's Triton on gfx942/gfx950), e.g. Kimi-K3's SiTU experts where AITER has no kernel."""
+ROCm's Triton on gfx942/gfx950), e.g. Kimi-K3's mxfp4 SiTU experts on gfx942, where AITER has
+no kernel (on gfx950 AITER has one and comes first in auto order)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class TritonBackend(Backend):
             return "expert biases are not implemented"
         if spec.dtype == torch.float32:
             return "float32 layers are not supported (bf16 or fp16 activations only)"
-        if spec.quant.weights == "mxfp4":
-            return "mxfp4 weights are not implemented"
+        if spec.quant.weights == "mxfp4" and platform.vendor == "amd" and platform.arch not in FP8_AMD_ARCHS:
+            return f"mxfp4 (tl.dot_scaled) needs gfx942 or gfx950 on ROCm; this GPU is {platform.arch}"
         if spec.quant.weights == "fp8":
             return self._fp8_reason(spec, platform)
         return None
@@ -54,9 +55,11 @@ class TritonBackend(Backend):
     @staticmethod
     def _fp8_reason(spec: MoESpec, platform: Platform) -> str | None:
         q = spec.quant
-        if q.activations != "fp8_block":
-            return (f"fp8 weights run as w8a8 with dynamic 1x128 activation groups (activations='fp8_block'), "
-                    f"not {q.activations!r}")
+        if q.activations not in ("fp8_block", "fp8_token"):
+            return (f"fp8 weights run as w8a8 with dynamic 1x128 activation groups (activations='fp8_block') "
+                    f"or per-token scales ('fp8_token'), not {q.activations!r}")
+        if q.activations == "fp8_token" and q.granularity == "block":
+            return "per-token fp8 activations run with per-tensor or per-channel weight scales, not 128x128 blocks"
         if q.granularity == "block" and q.block != (128, 128):
             return f"fp8 block scales must be 128x128, not {q.block[0]}x{q.block[1]}"
         if platform.vendor == "nvidia":
@@ -100,7 +103,7 @@ class TritonBackend(Backend):
         return torch.ops.moe_overlay.triton_experts(
             x, w13, tensors["w2"], topk_weights, topk_ids, tensors.get("w13_scale"), tensors.get("w2_scale"),
             expert_map, spec.activation.kind, list(spec.activation.params), spec.apply_router_weight_on_input,
-            spec.quant.granularity or "",
+            spec.quant.granularity or "", spec.quant.activations == "fp8_token",
         )
 
     def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:

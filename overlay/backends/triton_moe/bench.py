@@ -1,6 +1,15 @@
-"""`make bench-gpu`: the Triton backend against torch._grouped_mm and the torch reference on
-the four models' per-GPU layers, each time set against the hardware floor measured in the
-same run.
+"""`make bench-gpu`: the Triton backend on the four models' per-GPU layers in one weight
+format (`--weights`, `make bench-gpu WEIGHTS=...`), each point set against the hardware floor
+measured in the same run and against a peer timed in the same run: torch._grouped_mm for
+bf16/fp16, the Triton backend's own bf16 layer for quantised formats (they exist to beat it).
+
+Floor: max(bytes of the experts a routing hits, as stored (packed values and scales) / read
+bandwidth, FLOPs / matrix rate of the format's GEMMs: bf16 for bf16, fp16 and mxfp4 (w4a16
+computes in 16 bits), fp8 for w8a8). Read bandwidth is the faster of a read-only Triton
+kernel over 4 GiB (best of a few shapes) and a device-to-device copy (bytes read + written);
+the matrix rates are an 8192-cube GEMM (torch.matmul in bf16, torch._scaled_mm in fp8).
+Where the device's published peaks are known (PUBLISHED_PEAKS) a second floor from them is
+printed beside it.
 
 Routing: each token picks top_k distinct experts uniformly at random (seeded). Each timed
 call runs ROUTINGS different routings back to back inside one CUDA graph, so weights a
@@ -15,26 +24,68 @@ import math
 import platform
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 import moe_overlay as mo
 
 from ...activations import apply_gated
 from ...spec import MoESpec
-from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, Floor, floor_for, model, random_calls, random_weights
+from ..problems import (
+    MODELS,
+    ROUTINGS,
+    TOKEN_COUNTS,
+    WEIGHT_FORMATS,
+    floor_for,
+    model,
+    random_calls,
+    random_weights,
+    with_weights,
+)
 from .timing import graph_replay_seconds
 
 COPY_BYTES = 4 * 2**30  # a device-to-device copy of at least 4 GB
+READ_BYTES = 4 * 2**30
+READ_SHAPES = ((4096, 64, 8), (2048, 128, 4), (8192, 32, 16), (4096, 128, 8))  # (BLOCK, ITERS, warps)
 MATMUL_SIZE = 8192
+# Published dense peaks: HBM bytes/s, bf16 and fp8 FLOP/s (no sparsity).
+PUBLISHED_PEAKS = {"NVIDIA H200": (4.8e12, 989e12, 1979e12)}
+# The models whose checkpoints ship each format (their per-GPU layers), when --model is not given.
+FORMAT_MODELS = {"fp8-block": ("DeepSeek-V3", "Kimi-K3"), "mxfp4": ("Kimi-K3",), "fp8-channel-token": ("Maverick",)}
 
 
-def measure_bandwidth() -> float:
-    """HBM bytes/s of a device-to-device copy, counting bytes read and bytes written. Timed
-    eagerly: captured in a graph, the copy becomes a memcpy node that ran at ~2.8 TB/s on
-    an H200, against ~4.3 for the same copy launched from the stream."""
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Reads ITERS * BLOCK int32 (xor-folded, so nothing is left out) and writes BLOCK."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(ITERS):
+        acc ^= tl.load(src_ptr + base + i * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), acc)
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    read: float  # bytes/s of the best read-only kernel
+    copy: float  # bytes/s of a device-to-device copy, read + written
+
+    @property
+    def best(self) -> float:
+        return max(self.read, self.copy)
+
+
+def measure_bandwidth() -> Bandwidth:
+    """HBM bytes/s two ways. The copy is timed eagerly: captured in a graph, it becomes a
+    memcpy node that ran at ~2.8 TB/s on an H200, against ~4.3 for the same copy launched
+    from the stream. A copy alone under-states what reads reach (the first table's Kimi-K3
+    M=128 read its weights at 102.5% of it)."""
+    src = torch.randint(-2**31, 2**31 - 1, (READ_BYTES // 4,), dtype=torch.int32, device="cuda")
+    read = max(READ_BYTES / _read_seconds(src, *shape) for shape in READ_SHAPES)
+    del src
     src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -44,13 +95,28 @@ def measure_bandwidth() -> float:
         dst.copy_(src)
         end.record()
     torch.cuda.synchronize()
-    return 2 * COPY_BYTES / (statistics.median(start.elapsed_time(end) for start, end in marks) / 1e3)
+    copy = 2 * COPY_BYTES / (statistics.median(start.elapsed_time(end) for start, end in marks) / 1e3)
+    return Bandwidth(read, copy)
 
 
-def measure_matrix_rate() -> float:
-    """bf16 FLOP/s of an 8192-cube matrix product on random data."""
+def _read_seconds(src: torch.Tensor, block: int, iters: int, warps: int) -> float:
+    grid = src.numel() // (block * iters)
+    out = torch.empty(grid * block, dtype=torch.int32, device=src.device)
+    return graph_replay_seconds(lambda: _read_kernel[(grid,)](src, out, BLOCK=block, ITERS=iters, num_warps=warps),
+                                replays=20)
+
+
+def measure_matrix_rate(fp8: bool = False) -> float:
+    """FLOP/s of an 8192-cube matrix product on random data: bf16, or fp8 e4m3 with unit
+    scales through torch._scaled_mm (bf16 output)."""
     a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    seconds = graph_replay_seconds(lambda: a @ b, replays=20)
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        seconds = graph_replay_seconds(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                                       replays=20)
+    else:
+        seconds = graph_replay_seconds(lambda: a @ b, replays=20)
     return 2 * MATMUL_SIZE**3 / seconds
 
 
@@ -82,41 +148,67 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 class Row:
     model: str
     tokens: int
-    floor: Floor
-    floor_s: float
+    bound: str
+    floor_s: float  # at the measured rates
+    peak_floor_s: float | None  # at the published peaks
     triton_s: float
-    grouped_s: float
+    peer_s: float
     reference_s: float
     triton_err: float
-    grouped_err: float
+    peer_err: float | None
 
     @property
     def triton_pct(self) -> float:
         return 100 * self.floor_s / self.triton_s
 
     @property
-    def grouped_pct(self) -> float:
-        return 100 * self.floor_s / self.grouped_s
+    def peer_pct(self) -> float:
+        return 100 * self.floor_s / self.peer_s
 
     @property
     def speedup(self) -> float:
-        return self.grouped_s / self.triton_s
+        return self.peer_s / self.triton_s
 
 
-def bench_model(name: str, spec: MoESpec, tokens: list[int], bandwidth: float, rate: float) -> list[Row]:
+@dataclass(frozen=True)
+class Rates:
+    bandwidth: Bandwidth
+    bf16: float  # FLOP/s
+    fp8: float | None  # FLOP/s, measured for fp8 formats only
+    peaks: tuple[float, float, float] | None  # published bytes/s, bf16 and fp8 FLOP/s
+
+    def floor_rates(self, spec: MoESpec, measured: bool) -> tuple[float, float] | None:
+        """(bytes/s, FLOP/s) of the floor for `spec`'s format, measured or published."""
+        fp8 = spec.quant.weights == "fp8"
+        if measured:
+            return self.bandwidth.best, (self.fp8 if fp8 else self.bf16)
+        if self.peaks is None:
+            return None
+        return self.peaks[0], self.peaks[2 if fp8 else 1]
+
+
+def bench_model(name: str, weights: str, tokens: list[int], rates: Rates) -> list[Row]:
+    base = model(name).spec
+    spec = with_weights(base, weights)
+    peer_spec = base if weights in ("bf16", "fp16") else replace(base, dtype=torch.bfloat16)
     tensors = random_weights(spec, "cuda", seed=0)
-    # prepare() re-lays out in place (gate/up interleaved); the peers keep canonical weights
+    # prepare() re-lays out in place (bf16 gate/up interleaved); the peers keep canonical weights
     prepared = mo.PreparedExperts(spec, {k: v.clone() for k, v in tensors.items()}, mo.get_backend("triton"))
     prepared.prepare()
-    rows = [bench_point(name, spec, tensors, prepared, m, bandwidth, rate) for m in tokens]
-    del prepared, tensors
+    if peer_spec == spec:
+        peer = None
+    else:
+        peer = mo.PreparedExperts(peer_spec, random_weights(peer_spec, "cuda", seed=0), mo.get_backend("triton"))
+        peer.prepare()
+    rows = [bench_point(name, spec, tensors, prepared, peer, m, rates) for m in tokens]
+    del prepared, tensors, peer
     torch.cuda.empty_cache()
     return rows
 
 
-def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prepared: mo.PreparedExperts, m: int,
-                bandwidth: float, rate: float) -> Row:
-    w13_t, w2_t = tensors["w13"].transpose(1, 2), tensors["w2"].transpose(1, 2)  # column-major B, as cuBLAS likes
+def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prepared: mo.PreparedExperts,
+                peer: mo.PreparedExperts | None, m: int, rates: Rates) -> Row:
+    """One point; the peer is `peer`'s Triton layer (bf16), or torch._grouped_mm when None."""
     calls = random_calls(m, spec, "cuda", ROUTINGS, seed=10)
     x, w, ids = calls[0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,16 +218,24 @@ def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prep
     torch.cuda.synchronize()
     reference_s = start.elapsed_time(end) / 1e3  # eager: its per-expert nonzero() syncs, no graph
     triton_err = relative_error(prepared.apply(x, w, ids), ref)
-    grouped_err = relative_error(grouped_mm_experts(spec, w13_t, w2_t, x, w, ids), ref)
     triton_s = graph_replay_seconds(lambda: [prepared.apply(*c) for c in calls]) / ROUTINGS
-    grouped_s = graph_replay_seconds(lambda: [grouped_mm_experts(spec, w13_t, w2_t, *c) for c in calls]) / ROUTINGS
-    floors = [floor_for(spec, c[2], bandwidth, rate) for c in calls]
-    row = Row(name, m, floors[0], statistics.mean(f.seconds for f in floors), triton_s, grouped_s, reference_s,
-              triton_err, grouped_err)
-    print(f"{name:12s} M={m:5d} floor {row.floor_s * 1e6:9.1f} us ({row.floor.bound}) | triton "
-          f"{triton_s * 1e6:9.1f} us {row.triton_pct:5.1f}% | _grouped_mm {grouped_s * 1e6:9.1f} us "
-          f"{row.grouped_pct:5.1f}% | x{row.speedup:5.2f} | ref {reference_s * 1e3:8.1f} ms | "
-          f"err {triton_err:.1e} / {grouped_err:.1e}", flush=True)
+    if peer is None:
+        w13_t, w2_t = tensors["w13"].transpose(1, 2), tensors["w2"].transpose(1, 2)  # column-major B, as cuBLAS likes
+        peer_err = relative_error(grouped_mm_experts(spec, w13_t, w2_t, x, w, ids), ref)
+        peer_s = graph_replay_seconds(lambda: [grouped_mm_experts(spec, w13_t, w2_t, *c) for c in calls]) / ROUTINGS
+    else:  # other weights: its error is not comparable to this reference's
+        peer_err = None
+        peer_s = graph_replay_seconds(lambda: [peer.apply(*c) for c in calls]) / ROUTINGS
+    floors = [floor_for(spec, c[2], *rates.floor_rates(spec, measured=True)) for c in calls]
+    published = rates.floor_rates(spec, measured=False)
+    peak_floor_s = None if published is None else statistics.mean(floor_for(spec, c[2], *published).seconds
+                                                                   for c in calls)
+    row = Row(name, m, floors[0].bound, statistics.mean(f.seconds for f in floors), peak_floor_s, triton_s, peer_s,
+              reference_s, triton_err, peer_err)
+    print(f"{name:12s} M={m:5d} floor {row.floor_s * 1e6:9.1f} us ({row.bound}) | triton "
+          f"{triton_s * 1e6:9.1f} us {row.triton_pct:5.1f}% | peer {peer_s * 1e6:9.1f} us "
+          f"{row.peer_pct:5.1f}% | x{row.speedup:5.2f} | ref {reference_s * 1e3:8.1f} ms | "
+          f"err {triton_err:.1e}", flush=True)
     return row
 
 
@@ -146,39 +246,63 @@ def versions() -> str:
     return f"torch {torch.__version__}, triton {triton.__version__}, {gpu_runtime}, Python {platform.python_version()}"
 
 
-def markdown(rows: list[Row], device: str, bandwidth: float, rate: float) -> str:
-    geo = math.exp(statistics.mean(math.log(r.triton_pct) for r in rows))
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.mean(math.log(v) for v in values))
+
+
+def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
     worst = min(rows, key=lambda r: r.triton_pct)
-    ratio = math.exp(statistics.mean(math.log(r.speedup) for r in rows))
+    highest = max(rows, key=lambda r: r.triton_pct)
     slowest = min(rows, key=lambda r: r.speedup)
+    peer = "_grouped_mm" if weights in ("bf16", "fp16") else "bf16 triton"
+    bw = rates.bandwidth
+    fp8_rate = f", fp8 matrix rate {rates.fp8 / 1e12:.0f} TFLOP/s (torch._scaled_mm)" if rates.fp8 else ""
     lines = [
-        f"Device: {device}. Date: {datetime.date.today().isoformat()}. Versions: {versions()}.",
-        f"Measured in the same run: HBM {bandwidth / 1e12:.2f} TB/s (device-to-device copy of "
-        f"{COPY_BYTES / 1e9:.1f} GB, bytes read + written), bf16 matrix rate {rate / 1e12:.0f} TFLOP/s "
-        f"({MATMUL_SIZE}-cube GEMM).",
-        "",
-        "| model | M | floor (us) | bound | triton (us) | % of floor | _grouped_mm (us) | % of floor "
-        "| _grouped_mm / triton | reference (ms) | rel. err triton / _grouped_mm |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        f"Weights: {weights}. Device: {device}. Date: {datetime.date.today().isoformat()}. Versions: {versions()}.",
+        f"Measured in the same run: read bandwidth {bw.best / 1e12:.2f} TB/s (the faster of a read-only Triton "
+        f"kernel over {READ_BYTES / 1e9:.1f} GB, {bw.read / 1e12:.2f} TB/s, and a device-to-device copy, "
+        f"{bw.copy / 1e12:.2f} TB/s read + written), bf16 matrix rate {rates.bf16 / 1e12:.0f} TFLOP/s "
+        f"({MATMUL_SIZE}-cube GEMM){fp8_rate}.",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.tokens} | {r.floor_s * 1e6:.1f} | {r.floor.bound} | {r.triton_s * 1e6:.1f} "
-            f"| {r.triton_pct:.1f}% | {r.grouped_s * 1e6:.1f} | {r.grouped_pct:.1f}% | {r.speedup:.2f}x "
-            f"| {r.reference_s * 1e3:.1f} | {r.triton_err:.1e} / {r.grouped_err:.1e} |")
+    if rates.peaks:
+        peak_bw, peak_bf16, peak_fp8 = rates.peaks
+        lines.append(f"Published peaks (second floor column): {peak_bw / 1e12:.1f} TB/s, bf16 {peak_bf16 / 1e12:.0f} "
+                     f"and fp8 {peak_fp8 / 1e12:.0f} TFLOP/s dense.")
     lines += [
         "",
-        f"Triton: geometric mean {geo:.1f}% of the floor, lowest {worst.triton_pct:.1f}% ({worst.model} "
-        f"M={worst.tokens}); against torch._grouped_mm: geometric mean {ratio:.2f}x faster, "
-        f"lowest {slowest.speedup:.2f}x ({slowest.model} M={slowest.tokens}), faster at "
-        f"{sum(r.speedup > 1 for r in rows)} of {len(rows)} points.",
+        f"| model | M | floor (us) | bound | floor at peaks (us) | triton (us) | % of floor | % of peak floor "
+        f"| {peer} (us) | % of floor | {peer} / triton | reference (ms) | rel. err triton / {peer} |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        peak = "—" if r.peak_floor_s is None else f"{r.peak_floor_s * 1e6:.1f}"
+        peak_pct = "—" if r.peak_floor_s is None else f"{100 * r.peak_floor_s / r.triton_s:.1f}%"
+        peer_err = "—" if r.peer_err is None else f"{r.peer_err:.1e}"
+        lines.append(
+            f"| {r.model} | {r.tokens} | {r.floor_s * 1e6:.1f} | {r.bound} | {peak} | {r.triton_s * 1e6:.1f} "
+            f"| {r.triton_pct:.1f}% | {peak_pct} | {r.peer_s * 1e6:.1f} | {r.peer_pct:.1f}% | {r.speedup:.2f}x "
+            f"| {r.reference_s * 1e3:.1f} | {r.triton_err:.1e} / {peer_err} |")
+    peak_summary = ""
+    if all(r.peak_floor_s is not None for r in rows):
+        peak_summary = (f" (of the floor at published peaks: "
+                        f"{_geomean([100 * r.peak_floor_s / r.triton_s for r in rows]):.1f}%)")
+    lines += [
+        "",
+        f"Triton: geometric mean {_geomean([r.triton_pct for r in rows]):.1f}% of the floor{peak_summary}, lowest "
+        f"{worst.triton_pct:.1f}% ({worst.model} M={worst.tokens}), highest {highest.triton_pct:.1f}% "
+        f"({highest.model} M={highest.tokens}); against {peer}: geometric mean "
+        f"{_geomean([r.speedup for r in rows]):.2f}x faster, lowest {slowest.speedup:.2f}x ({slowest.model} "
+        f"M={slowest.tokens}), faster at {sum(r.speedup > 1 for r in rows)} of {len(rows)} points.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", choices=[m.name for m in MODELS], help="default: all four")
+    parser.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
+                        help="the weights' format (default bf16); fp8-*: w8a8, mxfp4: w4a16")
+    parser.add_argument("--model", action="append", choices=[m.name for m in MODELS],
+                        help="default: the models whose checkpoints ship the format (all four for bf16/fp16)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
@@ -186,12 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         print("the benchmark needs a CUDA or ROCm GPU")
         return 1
     device = torch.cuda.get_device_name()
-    bandwidth, rate = measure_bandwidth(), measure_matrix_rate()
-    print(f"{device}: HBM {bandwidth / 1e12:.2f} TB/s, bf16 {rate / 1e12:.0f} TFLOP/s; {versions()}", flush=True)
+    fp8 = args.weights.startswith("fp8")
+    rates = Rates(measure_bandwidth(), measure_matrix_rate(), measure_matrix_rate(fp8=True) if fp8 else None,
+                  PUBLISHED_PEAKS.get(device))
+    bw = rates.bandwidth
+    print(f"{device}: read {bw.read / 1e12:.2f} TB/s, copy {bw.copy / 1e12:.2f} TB/s, bf16 {rates.bf16 / 1e12:.0f} "
+          f"TFLOP/s" + (f", fp8 {rates.fp8 / 1e12:.0f} TFLOP/s" if rates.fp8 else "") + f"; {versions()}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = [row for name in args.model or [m.name for m in MODELS]
-            for row in bench_model(name, model(name).spec, tokens, bandwidth, rate)]
-    table = markdown(rows, device, bandwidth, rate)
+    names = args.model or list(FORMAT_MODELS.get(args.weights, [m.name for m in MODELS]))
+    rows = [row for name in names for row in bench_model(name, args.weights, tokens, rates)]
+    table = markdown(rows, args.weights, device, rates)
     print(table)
     if args.markdown:
         args.markdown.write_text(table)

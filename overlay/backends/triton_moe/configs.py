@@ -26,6 +26,7 @@ SHIPPED_DIR = Path(__file__).parent / "configs"
 USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
 TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
 MIN_TILE_M = 16  # a dot's least M
+MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
 
 Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
@@ -81,10 +82,10 @@ def down_tile(block_m: int) -> int:
 
 
 def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:
-    """bf16, fp16, or fp8-<granularity> for fp8 weights."""
+    """bf16, fp16, fp8-<granularity> for fp8 weights, or mxfp4 (packed into uint8)."""
     if fp8_granularity:
         return f"fp8-{fp8_granularity}"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "mxfp4"}.get(dtype, str(dtype))
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,14 @@ class LayerShape:
     hidden: int
     inter: int
     top_k: int
-    weights: str  # bf16, fp16, fp8-tensor, fp8-channel or fp8-block
+    weights: str  # bf16, fp16, fp8-tensor, fp8-channel, fp8-block or mxfp4
 
     @classmethod
     def of(cls, spec: MoESpec) -> LayerShape:
-        weights = weights_tag(spec.dtype, spec.quant.granularity if spec.quant.weights == "fp8" else None)
+        if spec.quant.weights == "mxfp4":
+            weights = "mxfp4"
+        else:
+            weights = weights_tag(spec.dtype, spec.quant.granularity if spec.quant.weights == "fp8" else None)
         return cls(spec.num_local_experts, spec.hidden_size, spec.intermediate_size, spec.top_k, weights)
 
     @property
@@ -113,8 +117,8 @@ class LayerShape:
     @property
     def interleaved(self) -> bool:
         """w13 rows gate/up-interleaved (the backend's layout for bf16/fp16): one dot computes
-        both. fp8 stays canonical: its 128x128 scale blocks span canonical rows."""
-        return not self.fp8
+        both. fp8 and mxfp4 stay canonical: their scale blocks span canonical rows."""
+        return self.weights in ("bf16", "fp16")
 
 
 def resident_k(inter: int) -> tuple[int, int]:
@@ -137,7 +141,7 @@ def default_config(shape: LayerShape, num_tokens: int) -> LaunchConfig:
     block_m = next((b for b in (16, 32, 64) if per_expert <= 2 * b), 128)
     if block_m <= 32:  # weight streaming: narrow tiles, many programs, deep pipelines
         return LaunchConfig(block_m, KernelConfig(64, 128, 4, 4), KernelConfig(64, 128, 4, 4))
-    block_k = 128 if shape.fp8 else 64
+    block_k = 64 if shape.interleaved else 128
     return LaunchConfig(block_m, KernelConfig(128, block_k, 8, 3, 8), KernelConfig(128, block_k, 8, 3, 8))
 
 
@@ -211,11 +215,17 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if shape.fp8:  # one K step per 128-wide scale block / activation group; no resident block or
-        # gemv gate/up (bf16/fp16); one row tile (the second is in the interleaved loop only)
+    if not shape.interleaved:  # no resident block or gemv gate/up (bf16/fp16); one row tile (the
+        # second is in the interleaved loop only). fp8: one K step per 128-wide scale block and
+        # activation group. mxfp4: K steps of whole 32-wide scale groups, at least MX_MIN_K, and
+        # weight tiles by plain loads (packed K, not what a descriptor's box holds)
+        gate_up_k, down_k = (128, 128) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
+                                                          max(config.down.block_k, MX_MIN_K))
         config = replace(config, block_m=row_tiles(config.block_m)[0],
-                         gate_up=replace(config.gate_up, block_k=128, gemv=False),
-                         down=replace(config.down, block_k=128, n_split=0))
+                         gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=False,
+                                         descriptors=config.gate_up.descriptors and shape.fp8),
+                         down=replace(config.down, block_k=down_k, n_split=0,
+                                      descriptors=config.down.descriptors and shape.fp8))
     return config
 
 

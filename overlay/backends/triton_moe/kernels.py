@@ -4,7 +4,11 @@ launch configuration (configs.py).
 
 Weights stay in the canonical `[E, N, K]` (K contiguous), which both wgmma (Hopper, and
 required for fp8) and MFMA read as is; gate and up are two B tiles of one program, so the
-activation is applied in registers and only `[routes, I]` reaches memory.
+activation is applied in registers and only `[routes, I]` reaches memory. mxfp4 weights
+stay packed (`[E, N, K/2]` uint8, scales `[E, N, K/32]` e8m0): each weight tile goes to
+`tl.dot_scaled`, which on GPUs without fp4 matrix units (Hopper, MI300) dequantises it in
+registers to the activations' 16-bit type inside the main loop; down_tiny_kernel's
+matrix-vector products dequantise with _e2m1_to_f32.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
 - general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of
@@ -28,7 +32,9 @@ W_NONE: tl.constexpr = tl.constexpr(0)
 W_TENSOR: tl.constexpr = tl.constexpr(1)
 W_CHANNEL: tl.constexpr = tl.constexpr(2)
 W_BLOCK: tl.constexpr = tl.constexpr(3)
+W_MXFP4: tl.constexpr = tl.constexpr(4)  # w4a16: e2m1 pairs packed along K, an e8m0 scale per 32 (not w8a8)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation groups are 128 wide
+MX_GROUP: tl.constexpr = tl.constexpr(32)  # mxfp4: K values per e8m0 scale
 
 
 # Arguments that change with the number of tokens are not specialised on, so one compiled
@@ -162,8 +168,13 @@ def _quantize_rows(a, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Dynamic fp8 quantisation of each row of `a` (one 128-wide activation group)."""
     a = a.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX, 1e-12)
-    q = tl.clamp(a / scale[:, None], -FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    return _quantize_with(a, scale, FP8, FP8_MAX), scale
+
+
+@triton.jit
+def _quantize_with(a, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp8 of each row of `a` divided by its scale (`[rows]`), saturated."""
+    return tl.clamp(a.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX).to(FP8)
 
 
 @triton.jit
@@ -174,19 +185,21 @@ def _activation_step(a, a_scale_ptrs, rows, W_QUANT: tl.constexpr, FP8: tl.const
     a_scale = tl.zeros([TILE_M], dtype=tl.float32)
     if A_FP8:
         a_scale = tl.load(a_scale_ptrs, mask=rows, other=0.0)
-    elif W_QUANT != W_NONE:
+    elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
         a, a_scale = _quantize_rows(a, FP8, FP8_MAX)
     return a, a_scale
 
 
 @triton.jit
 def quantize_groups_kernel(
-    src_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, cols, stride_src, stride_q, stride_s,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+    src_ptr, q_ptr, scale_ptr, limit_ptr, token_scale_ptr, num_rows, cols, stride_src, stride_q, stride_s,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, TOKEN: tl.constexpr, ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """q[r, c] and scale[r, g]: _quantize_rows of each row's g-th group of GROUP columns, as the
-    w8a8 main loops would quantise each K step (columns past `cols` count as 0). Rows from
-    `*limit_ptr` on (LIMITED: the aligned buffer's padded row count) are left alone."""
+    w8a8 main loops would quantise each K step (columns past `cols` count as 0); TOKEN: with
+    the row's own scale (`token_scale[r]`, per-token activations) in every group instead. Rows
+    from `*limit_ptr` on (LIMITED: the aligned buffer's padded row count) are left alone."""
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     limit = num_rows
@@ -197,20 +210,59 @@ def quantize_groups_kernel(
     row_ok = offs_r < limit
     ok = row_ok[:, None] & (offs_c < cols)[None, :]
     rows = offs_r.to(tl.int64)[:, None]
-    q, scale = _quantize_rows(tl.load(src_ptr + rows * stride_src + offs_c[None, :], mask=ok, other=0.0),
-                              FP8, FP8_MAX)
+    src = tl.load(src_ptr + rows * stride_src + offs_c[None, :], mask=ok, other=0.0)
+    if TOKEN:
+        scale = tl.load(token_scale_ptr + offs_r, mask=row_ok, other=1.0)
+        q = _quantize_with(src, scale, FP8, FP8_MAX)
+    else:
+        q, scale = _quantize_rows(src, FP8, FP8_MAX)
     tl.store(q_ptr + rows * stride_q + offs_c[None, :], q, mask=ok)
     tl.store(scale_ptr + offs_r.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
 
 
 @triton.jit
-def _mma_step(acc, a, a_scale, b, b_scale_ptr, W_QUANT: tl.constexpr):
-    """acc += a @ b, rescaled for w8a8 (`a` already quantised when W_QUANT != W_NONE)."""
+def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr):
+    """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
+    `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
+    (A_FMT, bf16 or fp16). `b_scale` is _step_scales'."""
     if W_QUANT == W_NONE:
         return tl.dot(a, b, acc)
+    if W_QUANT == W_MXFP4:
+        return tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
     if W_QUANT == W_BLOCK:
-        return acc + tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptr)[None, :]
+        return acc + tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
     return acc + tl.dot(a, b) * a_scale[:, None]
+
+
+@triton.jit
+def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight scales K step `k` needs for weight rows `rows` (of `cols` columns): fp8
+    block, one per row; mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups
+    past the row's end read as 2^0: their weights read as zeros); others none (0)."""
+    if W_QUANT == W_MXFP4:
+        groups = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
+        ok = rows_ok[:, None] & (groups < cols // MX_GROUP)[None, :]
+        return tl.load(scale_base + rows[:, None] * stride_sn + groups[None, :], mask=ok, other=127)
+    if W_QUANT == W_BLOCK:
+        return tl.load(scale_base + (rows // SCALE_BLOCK) * stride_sn + k)
+    return 0.0
+
+
+@triton.jit
+def _e2m1_to_f32(codes):
+    """fp4 e2m1 codes (int32, 0..15: sign, two exponent bits, one mantissa bit) -> fp32, by
+    building the fp32 bits: exponent e + 126 and the mantissa bit on top for e > 0; the
+    subnormal codes are 0 and 0.5."""
+    magnitude = codes & 7
+    normal = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
+    return tl.where((codes & 8) != 0, -value, value)
+
+
+@triton.jit
+def _e8m0_to_f32(scale):
+    """e8m0 (uint8 exponent, bias 127) -> fp32 2^(s - 127), by placing it in the exponent field."""
+    return (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 SITU_EXP_CAP: tl.constexpr = tl.constexpr(25.0)
@@ -291,27 +343,31 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden,
                   stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                  A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Main loop over canonical weights (gate rows, then up rows; fp8 keeps this layout, its
-    128x128 scale blocks span canonical rows): two dots, w8a8-rescaled per K step."""
+                  A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Main loop over canonical weights (gate rows, then up rows; fp8 and mxfp4 keep this
+    layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
+    scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K)."""
     offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+    offs_kw = tl.arange(0, BLOCK_K // PACK)
+    gate_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_kw[:, None]
     up_ptrs = gate_ptrs + inter * stride_wn
-    gate_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
-    up_scale_ptrs = scale_base + ((offs_n + inter) // SCALE_BLOCK) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_first, k_last):
         k_ok = offs_k < hidden - k * BLOCK_K
+        w_ok = (offs_kw < (hidden - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+        up = tl.load(up_ptrs, mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, BLOCK_M)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale_ptrs + k, W_QUANT)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale_ptrs + k, W_QUANT)
+        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K)
+        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT)
         a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K // PACK
+        up_ptrs += BLOCK_K // PACK
     return acc_gate, acc_up
 
 
@@ -334,6 +390,7 @@ def gate_up_kernel(
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     W_DESC: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
+    A_FMT: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -374,10 +431,10 @@ def gate_up_kernel(
                            TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
     else:
         a_scale_ptrs = x_scale_ptr + (routes // top_k).to(tl.int64) * stride_xsm
-        w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * BLOCK_K
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * (BLOCK_K // PACK)
         acc_gate, acc_up = _gate_up_pair(a_ptrs, a_scale_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first,
                                          k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8,
-                                         TILE_M, BLOCK_N, BLOCK_K)
+                                         A_FMT, PACK, TILE_M, BLOCK_N, BLOCK_K)
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
@@ -468,7 +525,7 @@ def down_kernel(
     num_blocks_m, num_experts, hidden, inter,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    A_FP8: tl.constexpr, W_DESC: tl.constexpr,
+    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -483,6 +540,7 @@ def down_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_K // PACK)  # mxfp4: packed K
     n_ok = offs_n < hidden
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
@@ -490,9 +548,8 @@ def down_kernel(
         desc = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K)
         w_row = expert * hidden + pid_n * BLOCK_N  # rows past the expert's H only feed masked columns
     else:
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kw[:, None]
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-    block_scale_ptrs = scale_base + (offs_n // SCALE_BLOCK) * stride_sn
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
@@ -500,10 +557,12 @@ def down_kernel(
         if W_DESC:
             w = desc.load([w_row, k * BLOCK_K]).T
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            w_ptrs += BLOCK_K
+            w_ok = (offs_kw < (inter - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            w_ptrs += BLOCK_K // PACK
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        acc = _mma_step(acc, a, a_scale, w, block_scale_ptrs + k, W_QUANT)
+        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K)
+        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT)
         a_ptrs += BLOCK_K
     acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT)
     if not WEIGHT_ON_INPUT:
@@ -585,13 +644,14 @@ def down_tiny_kernel(
     stride_ps, stride_pr, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together), the
     activation of the summed gate/up partials on the fly, and the top-k sum: no route
-    buffer, no extra launch."""
+    buffer, no extra launch. w8a8 quantises the activation per BLOCK_K group, or with
+    A_TOKEN per route over all of I (a first pass over the partials finds each route's max)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, K_PAD)
@@ -603,19 +663,30 @@ def down_tiny_kernel(
     w_rows = w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn  # [K_PAD, BLOCK_N, 1]
     w_ok = here[:, None, None] & n_ok[None, :, None]
     scale_base = scale_ptr + experts * stride_se  # [K_PAD]
+    if A_TOKEN:
+        amax = tl.zeros([K_PAD], dtype=tl.float32)
+        for k in range(0, tl.cdiv(inter, BLOCK_K)):
+            a = _tiny_activation(partial_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter,
+                                 stride_ps, stride_pr, beta, linear_beta, ACTIVATION, SPLITS)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+        token_scale = tl.maximum(amax / FP8_MAX, 1e-12)
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
-        a_ok = here[:, None] & (offs_k < inter)[None, :]
-        a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
-        gate = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-        up = tl.zeros([K_PAD, BLOCK_K], dtype=tl.float32)
-        for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
-            gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
-            up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
-        a = _activate(gate, up, beta, linear_beta, ACTIVATION)
-        if W_QUANT != W_NONE:  # what the w8a8 GEMM computes: quantise-dequantise the input
+        k_ok = w_ok & (offs_k < inter)[None, None, :]
+        if W_QUANT == W_MXFP4:  # byte k // 2, low nibble for even k; one scale per 32 along k
+            packed = tl.load(w_rows + (offs_k // 2)[None, None, :], mask=k_ok, other=0).to(tl.int32)
+            codes = (packed >> ((offs_k % 2) * 4)[None, None, :]) & 15
+            scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
+            w = _e2m1_to_f32(codes) * _e8m0_to_f32(tl.load(scale_rows + (offs_k // MX_GROUP)[None, None, :],
+                                                           mask=k_ok, other=127))
+        else:
+            w = tl.load(w_rows + offs_k[None, None, :], mask=k_ok, other=0.0)
+        a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
+                             ACTIVATION, SPLITS)
+        if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
+            a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
+        elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
             q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
             a = q.to(tl.float32) * a_scale[:, None]
         w = w.to(tl.float32)
@@ -632,6 +703,21 @@ def down_tiny_kernel(
         acc *= tl.load(topk_weights_ptr + routes, mask=here, other=0.0)[:, None]
     out = tl.sum(tl.where(here[:, None], acc, 0.0), axis=0)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
+                     ACTIVATION: tl.constexpr, SPLITS: tl.constexpr):
+    """down_tiny_kernel's input: the activation of the gate/up partials summed over the K
+    splits, columns `offs_k` of each route (`[K_PAD, BLOCK_K]` fp32; 0 where masked)."""
+    a_ok = here[:, None] & (offs_k < inter)[None, :]
+    a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
+    gate = tl.zeros(a_ok.shape, dtype=tl.float32)
+    up = tl.zeros(a_ok.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
+        gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
+        up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
+    return _activate(gate, up, beta, linear_beta, ACTIVATION)
 
 
 @triton.jit

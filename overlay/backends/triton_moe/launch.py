@@ -30,6 +30,7 @@ from .configs import (
 )
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
+A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names of the 16-bit activations
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
 ALIGN_CHUNK = 4096  # routes per sort program
@@ -70,14 +71,25 @@ class Layer:
     linear_beta: float = 1.0
     weight_on_input: bool = False
     granularity: str | None = None  # fp8 weight scales: tensor, channel or block
+    per_token: bool = False  # w8a8 activations: a dynamic scale per token (row), not per 1x128 group
 
     @classmethod
     def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
-           weight_on_input: bool, granularity: str | None) -> Layer:
+           weight_on_input: bool, granularity: str | None, per_token: bool = False) -> Layer:
         weights = weights_tag(w13.dtype, granularity if w13.dtype in FP8_TL else None)
         shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
         beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
-        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity)
+        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token)
+
+    @property
+    def w_quant(self) -> object:
+        """The kernels' W_QUANT: fp8 by scale granularity, or mxfp4."""
+        return kernels.W_MXFP4 if self.shape.weights == "mxfp4" else W_QUANT[self.granularity]
+
+    @property
+    def pack(self) -> int:
+        """Weight values per stored element along K (mxfp4: two e2m1 per byte)."""
+        return 2 if self.shape.weights == "mxfp4" else 1
 
 
 @dataclass(frozen=True)
@@ -170,8 +182,9 @@ def gate_up(
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
-    a_fp8 = not tiny and _quantise_first(w13, cfg.block_k)
-    x, x_scale = quantize_groups(x, w13.dtype) if a_fp8 else (x, x)
+    a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
+    a_fmt = A_FORMATS[x.dtype]
+    x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
     tile_m, tile_m2 = row_tiles(config.block_m)
     if tile_m2 and not layer.shape.interleaved:  # launch_config never asks: fp8 blocks are one tile
@@ -185,8 +198,8 @@ def gate_up(
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
         W_DESC=layer.shape.interleaved and _descriptors(cfg, w13),
-        ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
-        A_FP8=a_fp8,
+        ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
+        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -222,7 +235,8 @@ def down(
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
     a_fp8 = _quantise_first(w2, cfg.block_k)
-    a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded) if a_fp8 else (a, a)
+    a_fmt = A_FORMATS[a.dtype]
+    a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded, layer.per_token) if a_fp8 else (a, a)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
     grid = (tiles_m * triton.cdiv(layer.shape.hidden, cfg.block_n),)
     _launch(
@@ -231,8 +245,9 @@ def down(
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
         tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
-        WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=W_QUANT[layer.granularity],
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, W_DESC=_descriptors(cfg, w2),
+        WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
+        W_DESC=layer.pack == 1 and _descriptors(cfg, w2),
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -249,6 +264,8 @@ def _down_resident(
     config: LaunchConfig, out: torch.Tensor,
 ) -> None:
     cfg = config.down
+    if not layer.shape.interleaved:
+        raise ValueError(f"the resident down reads bf16/fp16 weights, not {layer.shape.weights}")
     k_low, k_high = resident_k(layer.shape.inter)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
     _launch(
@@ -281,7 +298,7 @@ def down_tiny(
         partials.stride(0), partials.stride(1), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         layer.beta, layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
-        W_QUANT=W_QUANT[layer.granularity], FP8=fp8, FP8_MAX=fp8_max,
+        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
         SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -304,24 +321,30 @@ def _quantise_first(weight: torch.Tensor, block_k: int) -> bool:
     """Whether a sorted-mode w8a8 kernel gets its activations quantised by quantize_groups
     beforehand: once per row and group, where its main loop would quantise each K step
     again for every N tile (half of fp8 gate/up's time at M=8192 on an H200). Only when its K
-    step is the group; tiny mode quantises in the loop (one row per route, a few N tiles)."""
+    step is the group (fp8 launches always step one group); tiny mode quantises in the loop
+    (one row per route, a few N tiles), except per-token activations (a row's scale needs all
+    of it first)."""
     return weight.dtype in FP8_TL and block_k == QUANT_GROUP
 
 
-def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype,
-                    limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype, limit: torch.Tensor | None = None,
+                    per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 `[rows, cols]`, fp32 scales `[rows, groups]`) of `src`, a dynamic scale per row and
-    QUANT_GROUP columns (kernels._quantize_rows); rows from `limit` (a device count) on are
-    left unset."""
+    QUANT_GROUP columns (kernels._quantize_rows), or per_token: the row's scale over all its
+    columns, repeated in each group (so the GEMMs read both alike); rows from `limit` (a
+    device count) on are left unset."""
     rows, cols = src.shape
     groups = triton.cdiv(cols, QUANT_GROUP)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=src.device)
     scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
     fp8, fp8_max = _fp8_args(q)
+    token_scale = (src.abs().amax(dim=1).float() / fp8_max).clamp_min(1e-12) if per_token else scale
     _launch(
         kernels.quantize_groups_kernel, (triton.cdiv(rows, QUANT_ROWS), groups),
-        src, q, scale, scale if limit is None else limit, rows, cols, src.stride(0), q.stride(0), scale.stride(0),
-        FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP, num_warps=4,
+        src, q, scale, scale if limit is None else limit, token_scale, rows, cols, src.stride(0), q.stride(0),
+        scale.stride(0),
+        FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, TOKEN=per_token, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP,
+        num_warps=4,
     )
     return q, scale
 

@@ -22,6 +22,7 @@ from typing import Any
 from ...spec import MoESpec
 from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 from .configs import (
+    MX_MIN_K,
     TINY_ROUTES,
     KernelConfig,
     LaunchConfig,
@@ -177,12 +178,21 @@ class Candidates:
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
     if is_tiny(point.tokens, top_k):
-        return [Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
-                           down_tiny_candidates(fp8, top_k, inter))]
-    return [Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
-                       gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
-                       + resident_down_candidates(down_tile(b), fp8, inter, smem_bytes))
+        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
+                                                  down_tiny_candidates(fp8, top_k, inter)))]
+    return [_runnable(point.shape, Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
+                                              gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
+                                              + resident_down_candidates(down_tile(b), fp8, inter, smem_bytes)))
             for b in block_m_candidates(point.shape, point.tokens)]
+
+
+def _runnable(shape: LayerShape, cands: Candidates) -> Candidates:
+    """mxfp4 (canonical packed weights): no gemv gate/up or resident down (bf16/fp16 kernels),
+    K steps of MX_MIN_K at least, as launch_config's rules have it; others as they are."""
+    if shape.weights != "mxfp4":
+        return cands
+    return Candidates(cands.block_m, [g for g in cands.gate_up if not g.gemv and g.block_k >= MX_MIN_K],
+                      [d for d in cands.down if not d.n_split and d.block_k >= MX_MIN_K])
 
 
 # -- running the kernels of one candidate ---------------------------------------------------
@@ -205,7 +215,8 @@ class Problem:
         self.inputs = random_calls(point.tokens, spec, device, routings, seed=100)
         act = spec.activation
         self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),
-                                     spec.apply_router_weight_on_input, spec.quant.granularity)
+                                     spec.apply_router_weight_on_input, spec.quant.granularity,
+                                     spec.quant.activations == "fp8_token")
         self.tiny = is_tiny(point.tokens, spec.top_k)
 
     def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig, int], None]]:
