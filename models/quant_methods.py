@@ -49,10 +49,11 @@ class QuantMapper:
     format: str  # the checkpoint format, as a person would name it
     spec: Callable[[Any], mo.QuantSpec]
     tensors: Callable[[Any, Any, mo.MoESpec], Tensors]
-    # What the mapper reads: the method's attributes and the layer's parameter names
-    # (the ledger checks the attributes exist; the tests check create_weights makes the parameters).
-    method_attrs: tuple[str, ...] = ()
+    # The layer's parameters the mapper reads (every one create_weights may register for the format).
     params: tuple[str, ...] = ()
+    # The names the mapper relies on as they appear in the class's source (its instance attributes,
+    # the parameter names it registers): patches/ledger.py refuses to start when one disappears.
+    mentions: tuple[str, ...] = ()
 
 
 def class_path(method: object) -> str:
@@ -195,23 +196,26 @@ def _ct_mxfp4_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
 QUANT_METHODS: dict[str, QuantMapper] = {
     UNQUANTIZED: QuantMapper(
         "unquantised", lambda method: mo.QuantSpec(), _unquantized_tensors,
-        params=("w13_weight", "w2_weight"),
+        params=("w13_weight", "w2_weight"), mentions=('"w13_weight"', '"w2_weight"'),
     ),
     FP8: QuantMapper(
         "fp8 (quant_method 'fp8': 128x128 block weight_scale_inv, or per-tensor)", _fp8_spec, _fp8_tensors,
-        method_attrs=("block_quant", "weight_block_size", "moe_block_shape", "weight_scale_refine",
-                      "quant_config"),
         params=("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv",
                 "w13_weight_scale", "w2_weight_scale"),
+        mentions=("self.block_quant", "self.weight_block_size", "self.moe_block_shape", "self.weight_scale_refine",
+                  "self.quant_config", '"weight_scale_inv"', '"weight_scale"', 'f"w13_{self.weight_scale_name}"',
+                  'f"w2_{self.weight_scale_name}"', '"w13_weight"', '"w2_weight"'),
     ),
     CT_W8A8_FP8: QuantMapper(
         "compressed-tensors fp8 w8a8 (per-channel, per-tensor or block weights)", _ct_fp8_spec, _ct_fp8_tensors,
-        method_attrs=("weight_quant", "input_quant", "weight_block_size"),
         params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+        mentions=("self.weight_quant", "self.input_quant", "self.weight_block_size", '"w13_weight"', '"w2_weight"',
+                  '"w13_weight_scale"', '"w2_weight_scale"'),
     ),
     CT_W4A4_MXFP4: QuantMapper(
         "compressed-tensors mxfp4-pack-quantized (e2m1, e8m0 scale per 32)", _ct_mxfp4_spec, _ct_mxfp4_tensors,
-        method_attrs=("group_size", "use_cutlass_mxfp4"),
         params=("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"),
+        mentions=("self.group_size", "self.use_cutlass_mxfp4", '"w13_weight_packed"', '"w2_weight_packed"',
+                  '"w13_weight_scale"', '"w2_weight_scale"'),
     ),
 }

@@ -36,12 +36,15 @@ class Expect:
     `params`: the leading parameter names of a callable, in order (extra trailing
     parameters with defaults are tolerated: upstream adding options is not drift).
     `fields`: names a dataclass must have. `subclass_of`: a base it must derive from.
+    `mentions`: strings its source must contain, for names upstream creates at run time
+    (instance attributes, parameters registered in `create_weights`) that no import can check.
     """
 
     symbol: str
     params: tuple[str, ...] | None = None
     fields: tuple[str, ...] = ()
     subclass_of: str | None = None
+    mentions: tuple[str, ...] = ()
 
     def problem(self) -> str | None:
         try:
@@ -73,6 +76,14 @@ class Expect:
                 return f"{self.subclass_of}: expected to exist, found {err}"
             if not (isinstance(obj, type) and isinstance(base, type) and issubclass(obj, base)):
                 return f"{self.symbol}: expected a subclass of {self.subclass_of}, found {obj!r}"
+        if self.mentions:
+            try:
+                source = inspect.getsource(obj)  # type: ignore[arg-type]
+            except (OSError, TypeError) as err:
+                return f"{self.symbol}: expected readable source, found {err}"
+            missing = [m for m in self.mentions if m not in source]
+            if missing:
+                return f"{self.symbol}: expected its source to use {missing}, found none of them"
         return None
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.quant_methods import QUANT_METHODS
 from .contract import ContractDriftError, Expect, vllm_version
 
 FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 METHOD_BASE = f"{FUSED_MOE}.fused_moe_method_base:FusedMoEMethodBase"
 ROUTED = f"{FUSED_MOE}.routed_experts:RoutedExperts"
+RUNNER = f"{FUSED_MOE}.runner.moe_runner:MoERunner"
+SHARED = f"{FUSED_MOE}.runner.shared_experts:SharedExperts"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,33 @@ LEDGER: tuple[Hook, ...] = (
             Expect(f"{FUSED_MOE}.config:FusedMoEConfig",
                    fields=("num_experts", "num_local_experts", "experts_per_token", "hidden_dim",
                            "intermediate_size_per_partition", "activation", "in_dtype", "has_bias")),
+        ),
+    ),
+    Hook(
+        name="quant-method-table",
+        target=("upstream's MoE quant methods in models/quant_methods.py (read, never patched: the "
+                "overlay maps their parameters to its canonical tensors and keeps their post-processing off "
+                "the layers it owns)"),
+        why=("the adapter reads each checkpoint format from the parameters upstream's create_weights "
+             "registers and its loader fills; a renamed class, attribute or parameter must refuse to start, "
+             "not silently fall back or read the wrong tensor"),
+        upstream_issue="n/a: FusedMoEMethodBase has no API that describes a method's tensors and their layout",
+        remove_when="never while the table exists: these are reads of upstream's current names",
+        expects=(
+            *(Expect(path, subclass_of=METHOD_BASE, mentions=mapper.mentions)
+              for path, mapper in QUANT_METHODS.items()),
+            *(Expect(f"{path}.process_weights_after_loading", ("self", "layer")) for path in QUANT_METHODS),
+            Expect("vllm.model_executor.layers.quantization.fp8:Fp8Config", mentions=("self.activation_scheme",)),
+            Expect("compressed_tensors.quantization:QuantizationStrategy", fields=("CHANNEL", "TENSOR", "GROUP")),
+            Expect("compressed_tensors.quantization:QuantizationArgs",  # a pydantic model: its field lines
+                   mentions=("strategy:", "dynamic:", "group_size:")),
+            # Shared experts and routed scaling stay upstream's: the runner runs the shared experts
+            # unless the quant method says its kernel overlaps them, and scales the routed output.
+            Expect(f"{METHOD_BASE}.mk_can_overlap_shared_experts"),
+            Expect(f"{RUNNER}.__init__", mentions=("mk_can_overlap_shared_experts",)),
+            Expect(f"{RUNNER}._apply_quant_method", mentions=("SharedExpertsOrder.NO_OVERLAP",)),
+            Expect(f"{RUNNER}._maybe_apply_routed_scale_to_output", ("self", "shared_output", "fused_output")),
+            Expect(f"{SHARED}._determine_shared_experts_order", mentions=("_mk_can_overlap_shared_experts",)),
         ),
     ),
     Hook(

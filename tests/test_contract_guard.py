@@ -57,6 +57,26 @@ def test_expect_tolerates_new_optional_parameters_only():
     assert Expect(here + "grown", ("a", "b")).problem() is None
     assert "expected parameters (a, b), found (a, b, c)" in Expect(here + "stricter", ("a", "b")).problem()
     assert "cannot be imported" in Expect("no_such_module_xyz:thing").problem()
+    assert Expect(here + "grown", mentions=("return a",)).problem() is None
+    assert "expected its source to use ['c * 2']" in Expect(here + "grown", mentions=("return a", "c * 2")).problem()
+
+
+def test_a_quant_method_the_table_reads_is_guarded(monkeypatch):
+    """A class of the quant-method table that moved, or a parameter name it no longer registers,
+    refuses to start by name."""
+    import vllm.model_executor.layers.quantization.fp8 as fp8
+
+    from moe_overlay.models import quant_methods
+
+    assert {e.symbol for e in next(h for h in ledger.LEDGER if h.name == "quant-method-table").expects} >= set(
+        quant_methods.QUANT_METHODS)
+    monkeypatch.delattr(fp8, "Fp8MoEMethod")
+    with pytest.raises(ContractDriftError, match=r"quantization\.fp8:Fp8MoEMethod: expected to exist"):
+        ledger.check()
+    monkeypatch.undo()
+    renamed = next(h for h in ledger.LEDGER if h.name == "quant-method-table").expects[1]
+    drifted = Expect(renamed.symbol, mentions=(*renamed.mentions, '"w13_weight_packed_v2"'))
+    assert "expected its source to use ['\"w13_weight_packed_v2\"']" in drifted.problem()
 
 
 def test_plugin_refuses_to_install_on_drift(monkeypatch):
