@@ -188,6 +188,11 @@ class OverlayMoEMethod(FusedMoEMethodBase):
                                      params_dtype, **extra_weight_attrs)
 
     def get_fused_moe_quant_config(self, layer):
+        if self.spec.quant.weights != "none":
+            # Upstream's config describes its own kernel's view of post-processed weights (merged
+            # per-tensor scales, static input scales, backend-specific forms); built from the raw
+            # checkpoint tensors it can assert or mislead, and nothing of the adapter reads it.
+            return None
         return self.upstream.get_fused_moe_quant_config(layer)
 
     def process_weights_after_loading(self, layer) -> None:
