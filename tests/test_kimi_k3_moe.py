@@ -159,6 +159,21 @@ def run(kimi, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"out": out, **seen}
 
 
+def test_the_twin_has_kimi_k3s_layout(kimi):
+    cfg = kimi.config  # as upstream's KimiK3Config reads the twin's config.json
+    assert [cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers)] == [True, True, True, False]
+    assert cfg.first_k_dense_replace == 1 and cfg.num_shared_experts == 2 and cfg.latent_moe_use_norm
+    assert cfg.routed_expert_hidden_size < cfg.hidden_size and cfg.hidden_act == "situ"
+    assert cfg.routed_scaling_factor != 1.0  # so a lost or doubled scaling changes the routed sum
+    layer0 = {k for k in kimi.ckpt if k.startswith("language_model.model.layers.0.")}
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in layer0
+    assert not any("block_sparse_moe" in k for k in layer0)
+    # Experts and latent projections packed (uint8 pairs), shared experts dense, as published.
+    assert kimi.ckpt[f"{PREFIX}.experts.31.w2.weight_packed"].dtype == torch.uint8
+    assert kimi.ckpt[f"{PREFIX}.routed_expert_up_proj.weight_scale"].dtype == torch.uint8
+    assert kimi.ckpt[f"{PREFIX}.shared_experts.down_proj.weight"].dtype == torch.float32
+
+
 def test_every_parameter_came_from_the_checkpoint(kimi):
     # Upstream's loader resolved every checkpoint name onto a parameter, and every parameter
     # (the experts' packed weights and e8m0 scales among them) was written.
