@@ -226,12 +226,14 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
     `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
     (A_FMT, bf16 or fp16). `b_scale` is _step_scales'."""
     if W_QUANT == W_NONE:
-        return tl.dot(a, b, acc)
-    if W_QUANT == W_MXFP4:
-        return tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
-    if W_QUANT == W_BLOCK:
-        return acc + tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-    return acc + tl.dot(a, b) * a_scale[:, None]
+        acc = tl.dot(a, b, acc)
+    elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
+        acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
+    elif W_QUANT == W_BLOCK:
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    else:
+        acc += tl.dot(a, b) * a_scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -239,13 +241,14 @@ def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.cons
     """The weight scales K step `k` needs for weight rows `rows` (of `cols` columns): fp8
     block, one per row; mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups
     past the row's end read as 2^0: their weights read as zeros); others none (0)."""
+    scales = 0.0
     if W_QUANT == W_MXFP4:
         groups = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
         ok = rows_ok[:, None] & (groups < cols // MX_GROUP)[None, :]
-        return tl.load(scale_base + rows[:, None] * stride_sn + groups[None, :], mask=ok, other=127)
-    if W_QUANT == W_BLOCK:
-        return tl.load(scale_base + (rows // SCALE_BLOCK) * stride_sn + k)
-    return 0.0
+        scales = tl.load(scale_base + rows[:, None] * stride_sn + groups[None, :], mask=ok, other=127)
+    elif W_QUANT == W_BLOCK:
+        scales = tl.load(scale_base + (rows // SCALE_BLOCK) * stride_sn + k)
+    return scales
 
 
 @triton.jit
