@@ -42,6 +42,16 @@ test: lint
 	@echo "==> the Triton kernels again, on Triton's CPU interpreter (small shapes; make test-gpu runs all)"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py
 
+# lm-eval gsm8k (5-shot, flexible-extract) against CONFIG's server, started here or URL=http://host:port;
+# LIMIT=N questions; GSM8K_DIR=folder with train.jsonl and test.jsonl (offline). Exits 1 below the gate.
+URL ?=
+LIMIT ?=
+GSM8K_DIR ?=
+.PHONY: eval-gsm8k
+eval-gsm8k: install
+	$(VENV)/bin/moe-overlay eval gsm8k $(CONFIG) $(if $(URL),--url $(URL)) $(if $(LIMIT),--limit $(LIMIT)) \
+		$(if $(GSM8K_DIR),--data-dir $(GSM8K_DIR))
+
 # Tokens/s of the tiny model: overlay (backend torch, backend vllm) against stock vLLM, same run.
 bench-cpu: install
 	$(PY) -m moe_overlay.serving.bench_cpu --config $(CONFIG)

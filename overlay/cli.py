@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("moe_overlay.backends.triton_moe.tune", "tune the Triton MoE kernels' launch configurations on this GPU"),
     "serve": ("moe_overlay.serving.serve", "serve a deployment YAML with vLLM's OpenAI-compatible server"),
     "config": ("moe_overlay.serving.config_cli", "check deployment YAMLs, export one as a vLLM recipe"),
+    "eval": ("moe_overlay.serving.eval_gsm8k", "accuracy of a deployment with lm-eval (gsm8k), gated by its config"),
 }
 
 
