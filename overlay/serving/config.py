@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..patches.plugin import BACKEND_ENV, STRICT_ENV
@@ -41,6 +41,7 @@ NODE_FLAGS = ("data-parallel-size-local", "data-parallel-address", "data-paralle
               "data-parallel-start-rank", "headless", "nnodes", "node-rank", "master-addr")
 AITER_MASTER = "VLLM_ROCM_USE_AITER"
 AITER_MOE = "VLLM_ROCM_USE_AITER_MOE"
+API_KEY_ENV = "VLLM_API_KEY"  # the server's key: from server.api_key or the caller's environment, never printed
 
 
 class ConfigError(ValueError):
@@ -92,6 +93,7 @@ class ParallelSection(_Section):
 class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
+    api_key: SecretStr | None = None  # required on every route (or export VLLM_API_KEY)
 
 
 class NodesSection(_Section):
@@ -171,6 +173,7 @@ class Deployment:
     expert: bool
     host: str
     port: int
+    api_key: SecretStr | None = None
     nodes: NodesSection = field(default_factory=NodesSection)
     hardware: HardwareSection | None = None
     gsm8k: Gsm8kSection | None = None
@@ -281,6 +284,8 @@ def _flag_args(source: Path, flags: dict[str, Any]) -> list[str]:
         flag = str(key).lstrip("-").replace("_", "-")
         if flag in OWNED_FLAGS:
             raise _fail(source, f"vllm.{key}", f"set it as {OWNED_FLAGS[flag][0]} instead")
+        if flag == "api-key":  # a flag is printed by `serve` and logged by vLLM
+            raise _fail(source, f"vllm.{key}", f"set server.api_key (or export {API_KEY_ENV}): it is never printed")
         if flag in NODE_FLAGS:
             raise _fail(source, f"vllm.{key}", "is set per node from the nodes: section and --role/--node-rank")
         if value is True:
@@ -304,6 +309,8 @@ def _env(source: Path, raw: dict[str, Any], backend: str) -> dict[str, str]:
         env[key] = ("1" if value else "0") if isinstance(value, bool) else str(value)
         if key.startswith("MOE_OVERLAY_"):
             raise _fail(source, f"env.{key}", "is set by moe-overlay itself: use the moe: section")
+        if key == API_KEY_ENV:
+            raise _fail(source, f"env.{key}", "would be printed with the command: set server.api_key instead")
         if key == "VLLM_PLUGINS":
             raise _fail(source, f"env.{key}", f"is set by moe-overlay to {','.join(PLUGINS)}")
     aiter_switches = [k for k, v in env.items() if k.startswith(AITER_MASTER + "_") and v not in ("0", "false")]
@@ -374,7 +381,7 @@ def load(path: str | os.PathLike[str]) -> Deployment:
         name=model.name or (builtin or Path(model_arg).name), dtype=model.dtype,
         max_model_len=model.max_model_len, quantization=model.quantization, precision=model.precision,
         backend=moe.backend, strict=moe.strict, tensor=par.tensor, pipeline=par.pipeline,
-        data=par.data, expert=par.expert, host=server.host, port=server.port,
+        data=par.data, expert=par.expert, host=server.host, port=server.port, api_key=server.api_key,
         nodes=spec.nodes, hardware=spec.hardware, gsm8k=spec.gsm8k,
         extra_flags=_flag_args(source, spec.vllm), env=_env(source, spec.env, moe.backend),
     )

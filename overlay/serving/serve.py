@@ -14,7 +14,7 @@ import shlex
 import socket
 import sys
 
-from .config import BACKENDS, ConfigError, Deployment, Node, load
+from .config import API_KEY_ENV, BACKENDS, ConfigError, Deployment, Node, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if node.role == "head" and (problem := _port_problem(deployment.host, deployment.port)):
         return _error(problem)
     os.environ.update(env)  # before vLLM is first imported: it reads some settings at import
+    if deployment.api_key:  # the environment, not a flag: flags are printed and logged
+        os.environ[API_KEY_ENV] = deployment.api_key.get_secret_value()
     if problem := _contract_problem():
         return _error(problem)
     if deployment.builtin:
