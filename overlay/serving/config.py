@@ -197,9 +197,9 @@ class Deployment:
         local = self.data // count
         flags = ["--data-parallel-size-local", str(local), "--data-parallel-address", str(self.nodes.head_address),
                  "--data-parallel-rpc-port", str(self.nodes.rpc_port)]
-        if role == "worker":
-            flags += ["--headless", "--data-parallel-start-rank", str(rank * local)]
-        return Node(role, rank, flags)  # type: ignore[arg-type]
+        if rank:
+            return Node("worker", rank, [*flags, "--headless", "--data-parallel-start-rank", str(rank * local)])
+        return Node("head", rank, flags)
 
     def all_nodes(self) -> list[Node]:
         return [self.node("head" if rank == 0 else "worker", rank) for rank in range(self.nodes.count)]
