@@ -33,7 +33,15 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def fp8_quantization_config(ignore: list[str]) -> dict[str, Any]:
     """compressed-tensors `float-quantized`: fp8 weights per output channel (static scales),
-    fp8 activations quantised per token at run time; `ignore` lists the unquantised modules."""
+    fp8 activations quantised per token at run time; `ignore` lists the unquantised modules.
+
+    What the published FP8 Maverick uses, from upstream's tests and trackers (its config.json
+    itself was not reachable here): vLLM's reduced-Maverick test writes per-expert
+    `weight_scale [N, 1]` and no scales for attention, router or shared expert
+    (tests/models/multimodal/generation/test_maverick.py); vllm#16537 enabled per-channel
+    weights with per-token activations in CompressedTensorsW8A8Fp8MoEMethod for Llama-4 FP8;
+    sglang#5134 loads it through a compressed-tensors scheme; TensorRT-LLM#3554 calls it "row-wise".
+    """
     common = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
               "block_structure": None, "actorder": None, "observer_kwargs": {}}
     return {
