@@ -277,8 +277,10 @@ class OverlayRoutedExperts(RoutedExperts):
 
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
         # A reload writes canonical data: lay the whole layer back first, so a partial
-        # update never mixes layouts and the next prepare() never shuffles twice.
-        if isinstance(self.quant_method, OverlayMoEMethod):
+        # update never mixes layouts and the next prepare() never shuffles twice. Not for a meta
+        # parameter: vLLM's layerwise reload calls the loader on one only to count the elements
+        # it copies, and would count the restore's copies too and finish the layer too early.
+        if isinstance(self.quant_method, OverlayMoEMethod) and not param.is_meta:
             self.quant_method.restore_before_write()
         return super().weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
 
