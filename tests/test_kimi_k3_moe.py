@@ -24,6 +24,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the block is upstream vLLM's own")
 import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors.torch import load_file
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
@@ -157,6 +159,14 @@ def test_the_twin_has_kimi_k3s_layout(kimi):
     assert kimi.ckpt[f"{PREFIX}.experts.31.w2.weight_scale"].dtype == torch.uint8
     for dense in ("routed_expert_down_proj", "routed_expert_up_proj", "shared_experts.down_proj"):
         assert kimi.ckpt[f"{PREFIX}.{dense}.weight"].dtype == torch.float32
+    # The packing is compressed-tensors' own: its decompressor reads the same values.
+    packed, scale = (kimi.ckpt[f"{PREFIX}.experts.7.w2.{n}"] for n in ("weight_packed", "weight_scale"))
+    args = QuantizationArgs(**kimi.config.quantization_config["config_groups"]["group_0"]["weights"])
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="mxfp4-pack-quantized")
+    state = {"weight_packed": packed, "weight_scale": scale,
+             "weight_shape": torch.tensor([packed.shape[0], 2 * packed.shape[1]])}
+    decompressed = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized").decompress(state, scheme)
+    assert torch.equal(decompressed["weight"].float(), dequant_mxfp4(packed, scale))
 
 
 def test_every_parameter_came_from_the_checkpoint(kimi):
