@@ -78,6 +78,13 @@ docker-run:
 bench-cpu: install
 	$(PY) -m moe_overlay.serving.bench_cpu --config $(CONFIG)
 
+# A bounded load run against CONFIG on a free loopback port (started and stopped here), e.g.
+# make load LOAD_ARGS="--clients 64 --requests 500"; --url http://127.0.0.1:PORT loads a running one.
+LOAD_ARGS ?=
+.PHONY: load
+load: install
+	$(PY) -m moe_overlay.serving.load --config $(CONFIG) $(LOAD_ARGS)
+
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
 
