@@ -22,6 +22,7 @@ from vllm.platforms import current_platform
 
 import moe_overlay as mo
 
+from ..patches import ledger
 from ..patches.plugin import BACKEND_ENV, STRICT_ENV
 from .describe_table import format_table
 from .quant_methods import NotMapped, canonical_tensors, mapper_for
@@ -76,6 +77,7 @@ def adapter_scope(architecture: str) -> Iterator[Scope]:
 
 def overlay_architecture(base: type, module: str) -> type:
     """`base` (an upstream model class) whose MoE layers use the adapter, defined in `module`."""
+    ledger.check_architecture(base)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         with adapter_scope(base.__name__):

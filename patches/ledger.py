@@ -91,12 +91,13 @@ LEDGER: tuple[Hook, ...] = (
     Hook(
         name="architectures",
         target="vllm:ModelRegistry (overlay subclasses registered under upstream's architecture names)",
-        why="installs the adapter only in the architectures the overlay knows; every other model runs stock",
+        why=("installs the adapter only in the architectures the overlay knows; every other model runs stock. "
+             "Each overlay class checks its upstream base's constructor (ARCHITECTURE_INIT) when it is "
+             "defined, i.e. when vLLM first builds that architecture (check_architecture)"),
         upstream_issue="n/a: ModelRegistry.register_model is vLLM's supported out-of-tree model hook",
         remove_when="never: this is an extension point, not a patch",
         expects=(
             Expect("vllm:ModelRegistry.register_model", ("model_arch", "model_cls")),
-            Expect("vllm.model_executor.models.mixtral:MixtralForCausalLM.__init__", ("self", "vllm_config", "prefix")),
         ),
     ),
     Hook(
@@ -125,15 +126,30 @@ LEDGER: tuple[Hook, ...] = (
 )
 
 
+# What an overlay architecture calls on its upstream base (models/moe_layer.py overlay_architecture).
+ARCHITECTURE_INIT = ("self", "vllm_config", "prefix")
+
+
 def problems() -> list[str]:
     return [p for hook in LEDGER for e in hook.expects if (p := e.problem()) is not None]
 
 
-def check() -> None:
-    """Refuse (one message) when upstream drifted from any hook's expectations."""
-    found = problems()
+def _refuse(found: list[str]) -> None:
     if found:
         raise ContractDriftError(
             f"moe-overlay cannot hook into vLLM {vllm_version()}: " + "; ".join(found)
             + ". Refusing to start; MOE_OVERLAY_DISABLE=1 runs stock vLLM."
         )
+
+
+def check() -> None:
+    """Refuse (one message) when upstream drifted from any hook's expectations."""
+    _refuse(problems())
+
+
+def check_architecture(base: type) -> None:
+    """Refuse when an upstream model class no longer takes what its overlay subclass passes it.
+    Checked when the overlay class is defined, so only architectures that are built pay for
+    importing their upstream module."""
+    expect = Expect(f"{base.__module__}:{base.__qualname__}.__init__", ARCHITECTURE_INIT)
+    _refuse([p] if (p := expect.problem()) else [])

@@ -104,3 +104,31 @@ def test_serve_refuses_drift_with_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in result.stderr
     assert "RoutedExperts.weight_loader: expected parameters (self, param, loaded_weight, weight_name, " \
            "shard_id, expert_id, return_success), found (self, param, loaded_weight, weight_name, shard_id)" in lines[0]
+
+
+def test_every_overlay_architecture_subclasses_an_upstream_class_that_takes_what_it_passes():
+    import importlib
+
+    for arch, target in plugin.ARCHITECTURES.items():
+        module, name = target.split(":")
+        if arch == "Llama4ForConditionalGeneration":
+            continue  # its upstream module imports torchvision, absent on the CPU lane (tests/test_llama4_*)
+        overlay = getattr(importlib.import_module(module), name)
+        base = overlay.__mro__[1]
+        assert base.__name__ == arch and base.__module__.startswith("vllm.")
+        ledger.check_architecture(base)  # passes as installed
+
+
+class Drifted:
+    """An upstream model class that renamed vllm_config."""
+
+    def __init__(self, *, config, prefix: str = "") -> None:
+        raise AssertionError("never called")
+
+
+def test_an_architecture_whose_constructor_drifted_is_refused_by_name():
+    from moe_overlay.models.moe_layer import overlay_architecture
+
+    with pytest.raises(ContractDriftError, match=r"Drifted\.__init__: expected parameters \(self, vllm_config, "
+                                                 r"prefix\), found \(self, config, prefix\).*Refusing to start"):
+        overlay_architecture(Drifted, __name__)
