@@ -674,29 +674,36 @@ def down_tiny_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
         token_scale = tl.maximum(amax / FP8_MAX, 1e-12)
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
+    if W_QUANT == W_MXFP4:
+        scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = w_ok & (offs_k < inter)[None, None, :]
-        if W_QUANT == W_MXFP4:  # byte k // 2, low nibble for even k; one scale per 32 along k
-            packed = tl.load(w_rows + (offs_k // 2)[None, None, :], mask=k_ok, other=0).to(tl.int32)
-            codes = (packed >> ((offs_k % 2) * 4)[None, None, :]) & 15
-            scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
-            w = _e2m1_to_f32(codes) * _e8m0_to_f32(tl.load(scale_rows + (offs_k // MX_GROUP)[None, None, :],
-                                                           mask=k_ok, other=127))
+        if W_QUANT == W_MXFP4:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high ones
+            offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            b_ok = w_ok & (offs_b < inter // 2)[None, None, :]
+            packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0).to(tl.int32)
+            scale = _e8m0_to_f32(tl.load(scale_rows + (offs_b // (MX_GROUP // 2))[None, None, :], mask=b_ok,
+                                         other=127))
+            a_even = _tiny_activation(partial_ptr, routes, here, 2 * offs_b, inter, stride_ps, stride_pr, beta,
+                                      linear_beta, ACTIVATION, SPLITS)
+            a_odd = _tiny_activation(partial_ptr, routes, here, 2 * offs_b + 1, inter, stride_ps, stride_pr, beta,
+                                     linear_beta, ACTIVATION, SPLITS)
+            products = _e2m1_to_f32(packed & 15) * a_even[:, None, :] + _e2m1_to_f32(packed >> 4) * a_odd[:, None, :]
+            acc += tl.sum(products * scale, axis=2)
         else:
-            w = tl.load(w_rows + offs_k[None, None, :], mask=k_ok, other=0.0)
-        a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
-                             ACTIVATION, SPLITS)
-        if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
-            a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
-        elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
-            q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
-            a = q.to(tl.float32) * a_scale[:, None]
-        w = w.to(tl.float32)
-        if W_QUANT == W_BLOCK:
-            block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
-            w *= tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)[:, :, None]
-        acc += tl.sum(w * a[:, None, :], axis=2)
+            offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+            a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
+                                 ACTIVATION, SPLITS)
+            if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
+                a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
+            elif W_QUANT != W_NONE:
+                q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+                a = q.to(tl.float32) * a_scale[:, None]
+            w = w.to(tl.float32)
+            if W_QUANT == W_BLOCK:
+                block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
+                w *= tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)[:, :, None]
+            acc += tl.sum(w * a[:, None, :], axis=2)
     if W_QUANT == W_TENSOR:
         acc *= tl.load(scale_base, mask=here, other=0.0)[:, None]
     if W_QUANT == W_CHANNEL:

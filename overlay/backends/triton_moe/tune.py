@@ -338,8 +338,9 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
         for split in c.splits:
             gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split],
                           not problem.tiny and point.shape.interleaved)
-            downs = {k: r for k, ds in by_kind.items()
-                     if (r := _fastest(partial(down, split_k=split), ds, not problem.tiny))}
+            downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
+                     if (r := _fastest(partial(down, split_k=split), ds,
+                                       not problem.tiny and point.shape.weights != "mxfp4"))}
             if gu is None or not downs:
                 continue
             down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
