@@ -1,5 +1,7 @@
 """Selection: a reason for the choice and for every backend passed over; strict mode raises."""
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -55,3 +57,50 @@ def test_reference_is_always_available_on_cpu():
         SPEC, {"w13": torch.zeros(8, 64, 64, dtype=torch.bfloat16), "w2": torch.zeros(8, 64, 32, dtype=torch.bfloat16)},
         sel)
     assert prepared.describe()["reason"] == sel.reason
+
+
+KIMI_MXFP4 = mo.MoESpec(896, 3584, 384, 16, mo.Activation.situ(), quant=mo.QuantSpec("mxfp4"))
+
+
+@pytest.fixture
+def emulated_aiter(monkeypatch):
+    """AITER's backend on an emulated GPU (its main branch's contract, read with the installed
+    amd-aiter's files), and triton importable."""
+    from moe_overlay.backends.aiter_ops import AITER_DISTRIBUTION
+    from moe_overlay.backends.triton_moe import backend as triton_backend
+    from tests.aiter_emulator.layers import emulated_backend
+
+    try:
+        importlib.metadata.distribution(AITER_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("amd-aiter is not installed: the AITER emulator reads its files (`make test` installs it)")
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: True)
+
+    def on(arch):
+        mo.register_backend(emulated_backend(arch, "main")[0])
+        return mo.Platform("cuda", "amd", arch)
+
+    return on
+
+
+def test_kimi_mxfp4_on_gfx942_runs_on_triton_and_says_why_not_aiter(emulated_aiter):
+    sel = mo.select_backend(KIMI_MXFP4, emulated_aiter("gfx942"))
+    assert sel.backend.name == "triton"
+    assert sel.rejected["aiter"].startswith("AITER's mxfp4 a16w4 fused MoE needs gfx950")
+    assert f"passed over: aiter: {sel.rejected['aiter']}" in sel.reason
+
+
+def test_kimi_mxfp4_on_gfx950_still_prefers_aiter(emulated_aiter):
+    sel = mo.select_backend(KIMI_MXFP4, emulated_aiter("gfx950"))
+    assert sel.backend.name == "aiter" and sel.rejected == {} and "passed over" not in sel.reason
+    assert mo.select_backend(KIMI_MXFP4, mo.Platform("cuda", "amd", "gfx950"), "triton").backend.name == "triton"
+
+
+def test_kimi_mxfp4_on_nvidia_runs_on_triton(monkeypatch):
+    from moe_overlay.backends.triton_moe import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: True)
+    sel = mo.select_backend(KIMI_MXFP4, mo.Platform("cuda", "nvidia", "sm_90"))
+    assert sel.backend.name == "triton" and "aiter: needs ROCm" in sel.reason
