@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..patches.plugin import DISABLE_ENV, RPC_METHOD
-from . import access
+from . import access, lifecycle
 
 RPC_TIMEOUT_S = 30.0
 
@@ -26,11 +26,13 @@ class MoEEndpoint:
 
     def attach_router(self, app: FastAPI) -> None:
         app.add_api_route("/v1/moe", self.describe, methods=["GET"])
+        app.add_middleware(lifecycle.EndResponsesWhenEngineStops)
         if access.install(app):  # vLLM's own key check leaves most non-/v1 routes open
             print(f"[moe-overlay] {access.API_KEY_ENV} is set: every route requires the API key", flush=True)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.moe_overlay_engine = engine_client
+        lifecycle.watch(engine_client)  # for the exit status, should the engine die
 
     async def describe(self, request: Request) -> JSONResponse:
         engine = getattr(request.app.state, "moe_overlay_engine", None)

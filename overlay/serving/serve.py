@@ -14,6 +14,7 @@ import shlex
 import socket
 import sys
 
+from . import lifecycle
 from .config import API_KEY_ENV, BACKENDS, CLI_MODULE, ConfigError, Deployment, Node, load
 
 
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.argv = argv[2:]  # [module, flags...]: what `python -m` would give it
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    return 0
+    return lifecycle.exit_status()  # vLLM's server returns normally when its engine died
 
 
 def _vllm_serve(flags: list[str]) -> None:

