@@ -9,8 +9,16 @@ stock server (stock vLLM's reload of the same weights changes its output: see UP
 
 from __future__ import annotations
 
+import json
+import shutil
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
@@ -20,7 +28,12 @@ from vllm.model_executor.model_loader.reload import (
 import moe_overlay as mo
 from moe_overlay.models import moe_layer
 from moe_overlay.models.moe_layer import OverlayRoutedExperts, adapter_scope
+from moe_overlay.models.tiny import RECIPES, Tokens
+from moe_overlay.serving.builtin_models import ensure_builtin
+from moe_overlay.serving.harness import Server, serve
+from moe_overlay.serving.weights import swap_weights
 from tests.backends_for_tests import RelayoutBackend
+from tests.e2e import PROMPTS, ROOT
 from tests.vllm_layers import build_moe, forward, vllm_context
 
 E, H, I, K, T = 4, 64, 64, 2, 6
@@ -83,3 +96,128 @@ def test_vllm_layerwise_reload_on_a_shuffled_layout(_vllm):
         assert {name: p.data_ptr() for name, p in layer.named_parameters()} == pointers
         assert torch.equal(layer.w13_weight, fresh.routed_experts.w13_weight)
         assert torch.equal(layer.w2_weight, fresh.routed_experts.w2_weight)
+
+
+# -- served: the tiny Mixtral through vLLM's endpoints ----------------------------------------
+
+CONFIG = ROOT / "configs" / "tiny-mixtral.yaml"
+MODEL = "tiny-mixtral"
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /collective_rpc, /pause, /resume only then
+SERVED_PROMPTS = PROMPTS[:4]
+NEW_TOKENS = 48
+CLIENTS = 3
+
+
+def _other_weights(base: Path, out: Path) -> Path:
+    """The same architecture and tokenizer as `base`, weights from another seed."""
+    shutil.copytree(base, out)
+    config = json.loads((base / "config.json").read_text())
+    recipe = replace(RECIPES[MODEL], seed=RECIPES[MODEL].seed + 1)  # type: ignore[type-var]
+    recipe.write(out, Tokens(config["vocab_size"], config["bos_token_id"], config["eos_token_id"]))
+    return out
+
+
+def _config_on(weights: Path, out: Path) -> Path:
+    raw = yaml.safe_load(CONFIG.read_text())
+    raw["model"]["path"] = str(weights)
+    raw["model"]["name"] = MODEL
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+def _answers(server: Server, prompts: list[str] = SERVED_PROMPTS) -> list[list[int]]:
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    return [c["token_ids"] for c in sorted(server.post("/v1/completions", body)["choices"], key=lambda c: c["index"])]
+
+
+def _while_swapping(server: Server, folders: list[Path]) -> dict:
+    """CLIENTS threads send one prompt after another while the weights are swapped to each of
+    `folders` in turn; every request's answer and its start and end times."""
+    done: list[tuple[int, list[int], float, float]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            index = i % len(SERVED_PROMPTS)
+            start = time.monotonic()
+            try:
+                tokens = _answers(server, [SERVED_PROMPTS[index]])[0]
+            except Exception as err:  # every failure is a finding
+                errors.append(repr(err))
+                return
+            done.append((index, tokens, start, time.monotonic()))
+            i += CLIENTS
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    swaps = []
+    time.sleep(1.0)  # requests are generating
+    for folder in folders:
+        begin = time.monotonic()
+        swap_weights(server.base_url, str(folder))
+        swaps.append((begin, time.monotonic()))
+        time.sleep(0.5)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=300)
+    return {"done": done, "errors": errors, "swaps": swaps}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = ensure_builtin(MODEL)
+    work = tmp_path_factory.mktemp("reload")
+    other = _other_weights(base, work / "tiny-mixtral-seed2")
+    runs: dict = {}
+    with serve(CONFIG, work / "reloaded.log", DEV_MODE) as server:
+        runs["fresh"] = _answers(server)
+        for _ in range(5):
+            swap_weights(server.base_url)  # the served folder again
+        runs["same_five_times"] = _answers(server)
+        swap_weights(server.base_url, str(other))
+        runs["other_reloaded"] = _answers(server)
+        runs["in_flight"] = _while_swapping(server, [base, other, base])
+        runs["back"] = _answers(server)
+        runs["moe"] = server.request("/v1/moe")
+    runs["log"] = server.log()
+    with serve(_config_on(other, work / "other.yaml"), work / "other.log") as server:
+        runs["other_fresh"] = _answers(server)
+    return runs
+
+
+def test_five_reloads_of_the_same_weights_change_nothing(served):
+    assert all(len(t) == NEW_TOKENS for t in served["fresh"])
+    assert served["same_five_times"] == served["fresh"]
+
+
+def test_other_weights_equal_a_fresh_server_on_them(served):
+    assert served["other_reloaded"] != served["fresh"]  # the reload did load something
+    assert served["other_reloaded"] == served["other_fresh"]
+    assert served["back"] == served["fresh"]
+
+
+def test_a_swap_under_load_never_mixes_weights(served):
+    """Each answer is exactly the old weights' or the new ones', none errors, and requests were
+    in flight when a swap began (else this would test nothing)."""
+    run = served["in_flight"]
+    assert run["errors"] == []
+    known = {"base": served["fresh"], "other": served["other_fresh"]}
+    seen = set()
+    for index, tokens, _, _ in run["done"]:
+        matches = [name for name, answers in known.items() if answers[index] == tokens]
+        assert matches, f"prompt {index}: an answer from neither set of weights: {tokens}"
+        seen.update(matches)
+    assert seen == {"base", "other"}
+    overlapping = [s for s in run["swaps"] if any(start < s[0] < end for _, _, start, end in run["done"])]
+    assert overlapping, "no request was in flight when a swap began"
+
+
+def test_every_reload_lays_the_layers_out_again(served):
+    status, payload = served["moe"]
+    assert status == 200 and all(row["prepared"] for row in payload["layers"])
+    tables = served["log"].count("[moe-overlay] MixtralForCausalLM: 2 MoE layers")
+    assert tables == 1 + 5 + 1 + 3  # the start, then once after every reload
