@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
 
 
 def test_float32_greedy_tokens_identical_to_stock(runs):
+    assert "disabled by MOE_OVERLAY_DISABLE=1" in runs["stock"]["log"] and "MoE layers" not in runs["stock"]["log"]
     overlay, stock = runs["overlay"]["completions"], runs["stock"]["completions"]
     assert all(len(t) == NEW_TOKENS for t in overlay)
     assert overlay == stock
