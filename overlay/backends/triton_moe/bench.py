@@ -190,7 +190,7 @@ class Rates:
 def bench_model(name: str, weights: str, tokens: list[int], rates: Rates) -> list[Row]:
     base = model(name).spec
     spec = with_weights(base, weights)
-    peer_spec = base if weights in ("bf16", "fp16") else replace(base, dtype=torch.bfloat16)
+    peer_spec = spec if weights in ("bf16", "fp16") else replace(base, dtype=torch.bfloat16)
     tensors = random_weights(spec, "cuda", seed=0)
     # prepare() re-lays out in place (bf16 gate/up interleaved); the peers keep canonical weights
     prepared = mo.PreparedExperts(spec, {k: v.clone() for k, v in tensors.items()}, mo.get_backend("triton"))
