@@ -472,3 +472,20 @@ def test_grouped_mm_peer_computes_the_layer(spec):
     out = grouped_mm_experts(spec, t["w13"].transpose(1, 2), t["w2"].transpose(1, 2), x, w, ids)
     ref = reference_moe(x, t["w13"], t["w2"], w, ids, spec.quant, spec.activation, spec.apply_router_weight_on_input)
     assert relative_error(out, ref) < 2e-2
+
+
+def test_bench_floor_takes_the_faster_read_and_the_formats_matrix_rate():
+    from moe_overlay.backends.triton_moe.bench import Bandwidth, Rates, Row, markdown
+
+    rates = Rates(Bandwidth(read=4.45e12, copy=4.29e12), bf16=680e12, fp8=1230e12, peaks=(4.8e12, 989e12, 1979e12))
+    kimi = MODELS[3].spec
+    assert rates.floor_rates(with_weights(kimi, "mxfp4"), measured=True) == (4.45e12, 680e12)  # w4a16: 16-bit dots
+    assert rates.floor_rates(with_weights(kimi, "fp8-block"), measured=True) == (4.45e12, 1230e12)
+    assert rates.floor_rates(with_weights(kimi, "fp8-block"), measured=False) == (4.8e12, 1979e12)
+    assert Rates(Bandwidth(4e12, 4.3e12), 680e12, None, None).floor_rates(kimi, measured=False) is None
+    rows = [Row("Kimi-K3", 1, "memory", 10e-6, 9e-6, 20e-6, 40e-6, 0.1, 1e-3, None),
+            Row("Kimi-K3", 128, "memory", 100e-6, 90e-6, 101e-6, 150e-6, 0.1, 1e-3, None)]
+    table = markdown(rows, "mxfp4", "NVIDIA H200", rates)
+    assert "highest 99.0% (Kimi-K3 M=128)" in table and "lowest 50.0% (Kimi-K3 M=1)" in table
+    assert "| bf16 triton (us) |" in table and "faster at 2 of 2 points" in table
+    assert "read bandwidth 4.45 TB/s" in table and "4.29 TB/s read + written" in table
