@@ -90,9 +90,23 @@ def test_gate_on_made_up_scores(score, published, questions, status):
     assert result.status == status and result.passed == (status != "fail")
 
 
+KEY = "eval-test-key-not-for-reports"
+
+
+def _tiny_config(folder: Path, **sections) -> Path:
+    """The tiny Mixtral behind an API key (lm-eval and /v1/moe must send it, the reports never)."""
+    raw = yaml.safe_load(TINY.read_text())
+    raw["server"]["api_key"] = KEY
+    raw.update(sections)
+    path = folder / "tiny-keyed.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    with serve(TINY, tmp_path_factory.mktemp("eval") / "server.log") as server:
+    folder = tmp_path_factory.mktemp("eval")
+    with serve(_tiny_config(folder), folder / "server.log", api_key=KEY) as server:
         yield server
 
 
@@ -105,24 +119,23 @@ def _eval(config: Path, url: str, out: Path) -> subprocess.CompletedProcess:
 
 @needs_data
 def test_pipeline_writes_reports_without_a_gate(tiny_server, tmp_path):
-    result = _eval(TINY, tiny_server.base_url, tmp_path)
+    result = _eval(_tiny_config(tmp_path), tiny_server.base_url, tmp_path / "out")
     assert result.returncode == 0, result.stderr[-3000:]
-    rep = json.loads((tmp_path / "gsm8k.json").read_text())
+    rep = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
     assert rep["status"] == "not gated" and rep["questions"] == LIMIT and rep["task"] == "gsm8k_offline"
     assert 0.0 <= rep["score"] <= 1.0 and rep["stderr"] >= 0.0 and rep["versions"]["lm-eval"] == "0.4.13"
     layers = rep["moe"]["layers"]
     assert len(layers) == 2 and {row["backend"] for row in layers} == {"torch"}
-    markdown = (tmp_path / "gsm8k.md").read_text()
+    markdown = (tmp_path / "out" / "gsm8k.md").read_text()
     assert markdown.startswith("# gsm8k: NOT GATED") and "moe_overlay::reference_experts" in markdown
     assert "Requesting API" in result.stderr  # lm-eval's own progress display
+    for text in (markdown, (tmp_path / "out" / "gsm8k.json").read_text(), result.stdout, result.stderr):
+        assert KEY not in text
 
 
 @needs_data
 def test_pipeline_exits_non_zero_below_the_gate(tiny_server, tmp_path):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["gsm8k"] = {"published": 0.9553, "source": "made up for this test"}
-    config = tmp_path / "gated.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    config = _tiny_config(tmp_path, gsm8k={"published": 0.9553, "source": "made up for this test"})
     result = _eval(config, tiny_server.base_url, tmp_path / "out")
     rep = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
     assert rep["gate"] == pytest.approx(gsm8k_gate(0.9553, LIMIT)) and rep["gate_full_run"] == gsm8k_gate(0.9553)

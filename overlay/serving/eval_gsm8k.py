@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import GATE_Z, GSM8K_QUESTIONS, ConfigError, Deployment, gsm8k_gate, load
+from .config import API_KEY_ENV, GATE_Z, GSM8K_QUESTIONS, ConfigError, Deployment, gsm8k_gate, load
 
 TASK = "gsm8k"  # lm-eval's own task, from the hub
 OFFLINE_TASK_FILE = Path(__file__).with_name("gsm8k_offline.yaml")
@@ -83,9 +84,16 @@ def model_args(dep: Deployment, url: str, concurrency: int) -> dict[str, Any]:
     return args
 
 
-def moe_table(url: str) -> dict[str, Any]:
+def api_key(dep: Deployment) -> str | None:
+    """The server's key (server.api_key, else VLLM_API_KEY): sent as a header, never written down."""
+    return dep.api_key.get_secret_value() if dep.api_key else os.environ.get(API_KEY_ENV)
+
+
+def moe_table(url: str, key: str | None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/moe", timeout=60) as resp:
+        with urllib.request.urlopen(urllib.request.Request(f"{url.rstrip('/')}/v1/moe", headers=headers),
+                                    timeout=60) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, ValueError, TimeoutError) as err:
         return {"error": f"GET /v1/moe: {err}"}
@@ -94,6 +102,8 @@ def moe_table(url: str) -> dict[str, Any]:
 def evaluate(dep: Deployment, url: str, args: argparse.Namespace) -> dict[str, Any]:
     import lm_eval
 
+    if key := api_key(dep):
+        os.environ["OPENAI_API_KEY"] = key  # where local-completions reads its bearer token
     task: str | dict[str, Any] = offline_task(args.data_dir) if args.data_dir else TASK
     name = task["task"] if isinstance(task, dict) else task
     print(f"[moe-overlay eval] lm-eval {name}, 5-shot, against {url}"
@@ -153,7 +163,7 @@ def _run(dep: Deployment, url: str, args: argparse.Namespace) -> dict[str, Any]:
     from .versions import versions
 
     run = evaluate(dep, url, args)
-    return report(dep, url, args.limit, run, moe_table(url), versions())
+    return report(dep, url, args.limit, run, moe_table(url, api_key(dep)), versions())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         log = output / "server.log"
         print(f"[moe-overlay eval] starting the server for {args.config} (log: {log})", file=sys.stderr, flush=True)
-        with serve(args.config, log, timeout=args.start_timeout) as server:
+        with serve(args.config, log, timeout=args.start_timeout, api_key=api_key(dep)) as server:
             rep = _run(dep, server.base_url, args)
     (output / "gsm8k.json").write_text(json.dumps(rep, indent=2, default=str) + "\n")
     text = markdown(rep)

@@ -34,6 +34,7 @@ class Server:
     process: subprocess.Popen
     port: int
     log_path: Path
+    api_key: str | None = None  # sent as `Authorization: Bearer` when the server requires one
 
     @property
     def base_url(self) -> str:
@@ -44,8 +45,10 @@ class Server:
 
     def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read())
@@ -86,7 +89,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @contextmanager
 def serve(config: str | Path, log_path: Path, env: dict[str, str] | None = None,
-          extra_args: tuple[str, ...] = (), timeout: float = 420) -> Iterator[Server]:
+          extra_args: tuple[str, ...] = (), timeout: float = 420, api_key: str | None = None) -> Iterator[Server]:
     """Run `moe-overlay serve CONFIG` on a free loopback port until the block ends."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,7 @@ def serve(config: str | Path, log_path: Path, env: dict[str, str] | None = None,
              "--port", str(port), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
         )
-    server = Server(process, port, log_path)
+    server = Server(process, port, log_path, api_key)
     try:
         _wait_ready(server, timeout)
         yield server
