@@ -56,7 +56,7 @@ eval-gsm8k: install
 # The ROCm container (docker/Dockerfile on upstream vLLM's ROCm image). docker-run serves CONFIG
 # from the image (the checkout's configs/ mounted over the image's), on host port PORT (default
 # 8000); ROLE=head|worker NODE_RANK=N for a node of a several-node config (host networking);
-# HF_TOKEN is passed from the environment, never stored; models cache in HF_CACHE.
+# HF_TOKEN and VLLM_API_KEY are passed from the environment, never stored; models cache in HF_CACHE.
 IMAGE ?= moe-overlay:0.1.0
 HF_CACHE ?= $(HOME)/.cache/huggingface
 SHM_SIZE ?= 64g
@@ -71,7 +71,7 @@ docker-run:
 	docker run --rm -it --device /dev/kfd --device /dev/dri --group-add video --shm-size $(SHM_SIZE) \
 		--security-opt seccomp=unconfined $(if $(ROLE),--network host,-p $(or $(PORT),8000):8000) \
 		-v $(HF_CACHE):/home/moe/.cache/huggingface -v $(CURDIR)/configs:/opt/moe-overlay/configs:ro \
-		-e HF_TOKEN $(DOCKER_ARGS) $(IMAGE) /opt/moe-overlay/$(CONFIG) --host 0.0.0.0 --port 8000 \
+		-e HF_TOKEN -e VLLM_API_KEY $(DOCKER_ARGS) $(IMAGE) /opt/moe-overlay/$(CONFIG) --host 0.0.0.0 --port 8000 \
 		$(if $(ROLE),--role $(ROLE)) $(if $(NODE_RANK),--node-rank $(NODE_RANK))
 
 # Tokens/s of the tiny model: overlay (backend torch, backend vllm) against stock vLLM, same run.

@@ -66,16 +66,16 @@ def test_entrypoint_prints_versions_then_serves(config, versions_file, tmp_path)
 
 
 def test_make_docker_run_command_line():
-    env = {**os.environ, "HF_TOKEN": "hf_do_not_print_me"}
+    env = {**os.environ, "HF_TOKEN": "hf_do_not_print_me", "VLLM_API_KEY": "key_do_not_print_me"}
     result = subprocess.run(["make", "-n", "docker-run", "CONFIG=configs/kimi-k3-mi355x-tp8.yaml", "PORT=8100"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
     command = " ".join(result.stdout.replace("\\\n", " ").split())
     for part in ("--device /dev/kfd", "--device /dev/dri", "--group-add video", "--shm-size ", "-p 8100:8000",
-                 ":/home/moe/.cache/huggingface", "-e HF_TOKEN ",
+                 ":/home/moe/.cache/huggingface", "-e HF_TOKEN ", "-e VLLM_API_KEY ",
                  "/opt/moe-overlay/configs/kimi-k3-mi355x-tp8.yaml --host 0.0.0.0 --port 8000"):
         assert part in command, (part, command)
-    assert "hf_do_not_print_me" not in command
+    assert "hf_do_not_print_me" not in command and "key_do_not_print_me" not in command
     worker = subprocess.run(["make", "-n", "docker-run", "CONFIG=configs/kimi-k3-mi300x-2node-ep16.yaml",
                              "ROLE=worker", "NODE_RANK=1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert "--network host" in worker.stdout and "--role worker --node-rank 1" in worker.stdout
