@@ -55,6 +55,22 @@ def test_a_flag_vllm_does_not_know_is_refused_with_its_message(tmp_path):
         check_deployment(load(path))
 
 
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"VLLM_ROCM_USE_AITR": 1}, r"env\.VLLM_ROCM_USE_AITR: the installed vLLM reads no such environment variable"),
+        ({"VLLM_ROCM_USE_AITER_MOE_SITUV2": "a2w2"}, r"env\.VLLM_ROCM_USE_AITER_MOE_SITUV2=a2w2: Invalid value 'a2w2'"),
+    ],
+)
+def test_an_environment_variable_vllm_does_not_read_is_refused(tmp_path, env, message):
+    raw = yaml.safe_load((ROOT / "configs" / "kimi-k3-mi355x-tp8.yaml").read_text())
+    raw["env"].update(env)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+        check_deployment(load(path))
+
+
 def test_config_check_command(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  path: hf:org/x\nparallel:\n  gpus: 8\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 from .config import CLI_MODULE, ConfigError, Deployment, Node
 
@@ -32,8 +33,35 @@ def check_flags(flags: list[str]) -> None:
     AsyncEngineArgs.from_cli_args(args)
 
 
+def check_env(env: dict[str, str]) -> None:
+    """Every VLLM_* variable must be one the installed vLLM reads, with a value it accepts (its own
+    getter reads it, as at start-up); a typo would otherwise be ignored in silence."""
+    import vllm.envs as envs
+
+    saved = dict(os.environ)
+    try:
+        for name, value in env.items():
+            if not name.startswith("VLLM_"):
+                continue
+            if name not in envs.environment_variables:
+                raise ValueError(f"{name}: the installed vLLM reads no such environment variable")
+            os.environ[name] = value
+            try:
+                envs.environment_variables[name]()
+            except ValueError as err:
+                raise ValueError(f"{name}={value}: {err}") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def check_deployment(deployment: Deployment, nodes: list[Node] | None = None) -> None:
-    """Every node's command line must parse with the installed vLLM; ConfigError names file and node."""
+    """Every node's command line must parse with the installed vLLM and its VLLM_* environment be
+    one vLLM reads; ConfigError names file, node or variable."""
+    try:
+        check_env(deployment.env)
+    except ValueError as err:
+        raise ConfigError(f"{deployment.source}: env.{err}") from None
     for node in nodes or deployment.all_nodes():
         try:
             check_flags(server_flags(deployment.argv("python", node)))
