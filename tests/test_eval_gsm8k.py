@@ -149,3 +149,11 @@ def test_missing_data_is_one_line(tmp_path):
     assert result.returncode == 2
     expected = f"moe-overlay eval: error: {tmp_path}: no train.jsonl (train split of GSM8K as JSONL)"
     assert result.stderr.strip() == expected
+
+
+def test_make_eval_gsm8k_passes_its_variables():
+    result = subprocess.run(["make", "-n", "eval-gsm8k", "CONFIG=configs/x.yaml",
+                             "URL=http://h:1", "LIMIT=7", "GSM8K_DIR=/data/gsm8k"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    command = " ".join(result.stdout.replace("\\\n", " ").split())
+    assert "moe-overlay eval gsm8k configs/x.yaml --url http://h:1 --limit 7 --data-dir /data/gsm8k" in command
