@@ -121,3 +121,33 @@ def test_no_key_no_guard(monkeypatch):
     assert access.install(app) is False and app.user_middleware == []
     monkeypatch.setenv(API_KEY_ENV, KEY)
     assert access.install(app) is True and app.user_middleware[0].cls is access.RequireKey
+
+
+def _model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _config_on(tmp_path: Path, folder: Path) -> Path:
+    return _config(tmp_path, lambda raw: raw["model"].update(path=str(folder)))
+
+
+def test_a_link_out_of_the_model_folder_is_refused_and_named(tmp_path):
+    folder = _model_folder(tmp_path)
+    elsewhere = tmp_path / "other-model"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"x")
+    (folder / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"model\.path: .* has links that lead out of it: "
+                                          r"model\.safetensors -> .*other-model/model\.safetensors"):
+        load(_config_on(tmp_path, folder))
+
+
+def test_links_inside_the_model_folder_are_fine(tmp_path):
+    folder = _model_folder(tmp_path)
+    (folder / "shards").mkdir()
+    (folder / "shards" / "a.safetensors").write_bytes(b"x")
+    (folder / "model.safetensors").symlink_to(folder / "shards" / "a.safetensors")
+    assert load(_config_on(tmp_path, folder)).model == str(folder)

@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, Va
 from pydantic_core import PydanticCustomError
 
 from ..patches.plugin import BACKEND_ENV, STRICT_ENV
+from .model_files import describe_links, links_outside
 
 Backend = Literal["auto", "torch", "vllm", "aiter", "triton"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -342,6 +343,8 @@ def _model(source: Path, path: str | None) -> tuple[str, str | None]:
         local = (source.parent / local).resolve()
     if not local.is_dir():
         raise _fail(source, "model.path", f"{path!r}: {local} does not exist (use hf:ORG/NAME for a hub model)")
+    if links := links_outside(local):  # served under this folder's name, read from elsewhere
+        raise _fail(source, "model.path", describe_links(local, links))
     return str(local), None
 
 
