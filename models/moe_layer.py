@@ -147,7 +147,10 @@ def _select(name: str, layer: RoutedExperts, upstream: FusedMoEMethodBase) -> tu
         if strict and requested not in ("auto", VllmBackend.name):
             raise mo.BackendUnavailableError(f"{name}: {why}; strict mode refuses vLLM's kernel") from None
         return None, mo.Selection(mo.get_backend(VllmBackend.name), f"{why}: vLLM's own kernel runs it")
-    return spec, mo.select_backend(spec, _platform(), requested, strict)
+    try:
+        return spec, mo.select_backend(spec, _platform(), requested, strict)
+    except mo.BackendUnavailableError as why:
+        raise mo.BackendUnavailableError(f"{name}: {why}") from None  # which layer cannot run
 
 
 def _owned_by_the_adapter(layer) -> None:
