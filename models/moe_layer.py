@@ -35,6 +35,7 @@ __all__ = ["NotMapped", "OverlayMoEMethod", "OverlayRoutedExperts", "adapter_sco
 class LayerRecord:
     name: str
     scope: Scope = field(repr=False, compare=False)
+    routing: dict[str, Any] = field(default_factory=dict)  # upstream's, as it stays: not the adapter's
     describe: Callable[[], dict[str, Any]] = dict
     ready: bool = False
 
@@ -47,8 +48,8 @@ class Scope:
     architecture: str
     layers: list[LayerRecord] = field(default_factory=list)
 
-    def add(self, name: str) -> LayerRecord:
-        record = LayerRecord(name, self)
+    def add(self, name: str, routing: dict[str, Any]) -> LayerRecord:
+        record = LayerRecord(name, self, routing)
         self.layers.append(record)
         return record
 
@@ -88,7 +89,13 @@ def overlay_architecture(base: type, module: str) -> type:
 
 
 def _row(record: LayerRecord) -> dict[str, Any]:
-    return {"layer": record.name, **record.describe()}
+    return {"layer": record.name, **record.routing, **record.describe()}
+
+
+def _routing(layer: RoutedExperts) -> dict[str, Any]:
+    """What the adapter is handed of upstream's routing (its router and runner stay upstream's;
+    their RoutingMethodType label is not reported: vLLM's CPURouter says Default for Llama-4)."""
+    return {"top_k": layer.moe_config.experts_per_token, "weight_on_input": bool(layer.apply_router_weight_on_input)}
 
 
 def describe_rows() -> list[dict[str, Any]]:
@@ -270,7 +277,7 @@ class OverlayRoutedExperts(RoutedExperts):
         if scope is None:
             return upstream
         spec, selection = _select(prefix, self, upstream)
-        record = scope.add(prefix)
+        record = scope.add(prefix, _routing(self))
         if spec is None or selection.backend.name == VllmBackend.name:
             # A/B and fallback: upstream's own method, untouched, so it runs exactly as stock.
             record.describe = _describe_upstream(upstream, spec, selection)

@@ -31,7 +31,11 @@ class VllmBackend(mo.Backend):
     priority = 50  # above the torch reference, below the adapter's own GPU kernels
 
     def unsupported_reason(self, spec: mo.MoESpec, platform: mo.Platform) -> str | None:
-        return None  # whatever vLLM loaded, vLLM can run
+        if platform.device_type == "cpu" and spec.quant.weights != "none" and not torch.cpu._is_amx_tile_supported():
+            # Every quantised CPU experts class of vLLM (fused_moe/experts/cpu_moe.py) needs AMX tiles;
+            # without them its oracles find no backend and loading fails ("Unsupported FP8 MoE backend").
+            return f"vLLM's CPU lane has no {spec.quant.weights} MoE kernel on a CPU without AMX tiles"
+        return None  # otherwise whatever vLLM loaded, vLLM can run
 
     def layout_for(self, spec: mo.MoESpec, platform: mo.Platform) -> mo.Layout:
         return mo.Layout("vllm")

@@ -64,6 +64,7 @@ def test_v1_moe_lists_every_moe_layer_on_the_adapter(runs):
         assert row["prepared"] is True and "requested (torch)" in row["reason"]
         assert row["experts"] == "16/16" and row["top_k"] == 4 and row["shape"] == "H=256 I=256"
         assert row["activation"] == "silu" and row["quantisation"] == "none" and row["checkpoint"] == "unquantised"
+        assert row["weight_on_input"] is False
 
 
 def test_startup_table_names_the_architecture(runs):

@@ -82,6 +82,7 @@ def test_v1_moe_lists_every_moe_layer_on_the_adapter(runs, run, quantisation, ch
         assert row["prepared"] is True and "requested (torch)" in row["reason"]
         assert row["experts"] == "8/8" and row["top_k"] == 1 and row["activation"] == "silu"
         assert row["quantisation"] == quantisation and row["checkpoint"].startswith(checkpoint)
+        assert row["weight_on_input"] is True  # top-1 sigmoid weight on the experts' input
 
 
 @pytest.mark.parametrize("run", ["overlay", "fp8"])

@@ -184,6 +184,7 @@ def test_the_adapter_runs_the_routed_experts_in_the_latent(kimi):
     assert row["activation"] == "situ(beta=4, linear_beta=25)"
     assert row["quantisation"] == "mxfp4 (e2m1, e8m0 scale per 32)"
     assert row["top_k"] == 16 and row["experts"] == "32/32"
+    assert row["weight_on_input"] is False
     assert row["shape"] == f"H={kimi.config.routed_expert_hidden_size} I={kimi.config.moe_intermediate_size}"
 
 

@@ -85,6 +85,7 @@ def test_inside_the_scope_the_adapter_runs_the_experts(upstream, monkeypatch):
     assert torch.equal(method.apply(layer, x, w.double(), ids.long(), None, None), expected)
     [row] = describe_rows()
     assert row["layer"] == "model.layers.0.mlp.experts" and row["backend"] == "torch" and row["prepared"]
+    assert row["top_k"] == K and row["weight_on_input"] is False
 
 
 def test_vllm_backend_leaves_upstream_in_place(upstream, monkeypatch):
@@ -93,7 +94,7 @@ def test_vllm_backend_leaves_upstream_in_place(upstream, monkeypatch):
     with adapter_scope("TestForCausalLM"):
         assert layer._get_quant_method("l0", None, upstream.moe) is upstream
     [row] = describe_rows()
-    assert row["backend"] == "vllm" and row["layout"] == "owned by vLLM"
+    assert row["backend"] == "vllm" and row["layout"] == "owned by vLLM" and row["top_k"] == K
     assert row["kernel"].startswith("UnquantizedFusedMoEMethod")
 
 
@@ -132,7 +133,7 @@ def test_reload_restores_before_writing_so_nothing_is_shuffled_twice(upstream, m
     layer = _layer(upstream.moe)
     scope = moe_layer.Scope("Test")
     moe_layer.SCOPES.append(scope)
-    record = scope.add("l0")
+    record = scope.add("l0", {})
     method = OverlayMoEMethod(upstream, spec, mo.Selection(RelayoutBackend(shuffled), "test"), record)
     layer.quant_method = method
     gen = torch.Generator().manual_seed(1)
@@ -150,3 +151,18 @@ def test_reload_restores_before_writing_so_nothing_is_shuffled_twice(upstream, m
     w, ids = softmax_topk(torch.randn(7, E, generator=gen), K)
     fresh = mo.PreparedExperts(spec, {"w13": w13, "w2": w2}, mo.get_backend("torch")).apply(x, w, ids)
     assert torch.equal(method.apply(layer, x, w, ids, None, None), fresh)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_auto_passes_vllm_over_for_quantised_layers_on_a_cpu_without_amx(monkeypatch, amx):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    fp8 = mo.MoESpec(E, 256, 256, K, dtype=torch.bfloat16,
+                     quant=mo.QuantSpec("fp8", "block", activations="fp8_block"))
+    cpu = mo.Platform.of("cpu")
+    chosen = mo.select_backend(fp8, cpu)
+    if amx:
+        assert chosen.backend.name == "vllm"
+    else:
+        assert chosen.backend.name == "torch"
+        assert "vLLM's CPU lane has no fp8 MoE kernel on a CPU without AMX tiles" in chosen.rejected["vllm"]
+    assert mo.select_backend(mo.MoESpec(E, H, I, K, dtype=torch.bfloat16), cpu).backend.name == "vllm"
