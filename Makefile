@@ -95,7 +95,7 @@ gpu-install:
 	$(PYTHON) -m pip install --no-deps --no-build-isolation -q -e .
 
 test-gpu: gpu-install
-	$(PYTHON) -m pytest -m gpu -p no:cacheprovider
+	MOE_OVERLAY_GPU_LANE=1 $(PYTHON) -m pytest -m gpu -p no:cacheprovider
 
 # WEIGHTS: bf16 (default; the four models), fp8-block (DeepSeek-V3, Kimi-K3), mxfp4 (Kimi-K3),
 # fp8-channel-token (Maverick), or fp16, fp8-tensor, fp8-channel; BENCH_ARGS, e.g.
