@@ -160,6 +160,10 @@ def _select(name: str, layer: RoutedExperts, upstream: FusedMoEMethodBase) -> tu
         raise mo.BackendUnavailableError(f"{name}: {why}") from None  # which layer cannot run
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def _owned_by_the_adapter(layer) -> None:
     raise RuntimeError(
         "moe-overlay: upstream's process_weights_after_loading must not run on a layer whose experts the "
@@ -212,6 +216,11 @@ class OverlayMoEMethod(FusedMoEMethodBase):
         tensors = canonical_tensors(self.upstream, layer, self.spec)
         if self.prepared is None:
             self.prepared = mo.PreparedExperts(self.spec, tensors, self.selection)
+        elif _storage(tensors["w13"]) != _storage(self.prepared.tensors["w13"]):
+            # vLLM's layerwise reload: the new weights are in tensors built for the reload, which
+            # vLLM copies into the layer's own parameters right after this. Lay those out; the
+            # adapter stays on the layer's own tensors, laid out below, which then get the bytes.
+            mo.PreparedExperts(self.spec, tensors, self.selection).prepare()
         else:
             # The loader restored before writing: all canonical now. Views are taken afresh
             # (a per-tensor fp8 reload merges the w1/w3 scales again).

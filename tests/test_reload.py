@@ -80,7 +80,8 @@ def _vllm(monkeypatch):
 def test_vllm_layerwise_reload_on_a_shuffled_layout(_vllm):
     """Reload of other weights through vLLM's layerwise path: laid out once, equal to a fresh
     load of those weights, the layer's own tensors keep their storage and hold the prepared bytes
-    (what a captured graph reads); again after three more reloads."""
+    (what a captured graph reads), and the adapter computes from them (no second copy); again
+    after three more reloads."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=gen).to(torch.bfloat16)
@@ -94,6 +95,8 @@ def test_vllm_layerwise_reload_on_a_shuffled_layout(_vllm):
         assert method.prepared.layout == SHUFFLED
         assert torch.equal(forward(runner, x, logits), forward(fresh, x, logits))
         assert {name: p.data_ptr() for name, p in layer.named_parameters()} == pointers
+        for name, param in (("w13", layer.w13_weight), ("w2", layer.w2_weight)):  # one copy of the weights
+            assert method.prepared.tensors[name].untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
         assert torch.equal(layer.w13_weight, fresh.routed_experts.w13_weight)
         assert torch.equal(layer.w2_weight, fresh.routed_experts.w2_weight)
 
