@@ -1,5 +1,6 @@
-"""`moe-overlay` command line. Each subcommand lives in its own module; those modules keep heavy
-imports (vLLM, Triton) inside run(), so `moe-overlay tune` never pays for vLLM nor `serve` for Triton."""
+"""`moe-overlay` command line. Each subcommand lives in its own module, imported only when that
+subcommand runs (`tune` on a GPU machine with torch and triton alone never imports the serving
+stack); those modules keep heavy imports (vLLM, Triton) inside run()."""
 
 from __future__ import annotations
 
@@ -16,18 +17,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`: every subcommand listed, only the one `argv` names given its arguments."""
+    command = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="moe-overlay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(sp)
+        if name == command:
+            importlib.import_module(module).add_arguments(sp)
         sp.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

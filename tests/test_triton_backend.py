@@ -1,6 +1,7 @@
 """The Triton backend without a GPU: support rules, layout, launch-config table, tuner
 planning, the benchmark's floor and its torch._grouped_mm peer (the kernels: test_triton_kernels.py)."""
 
+import argparse
 import json
 import math
 from dataclasses import replace
@@ -39,6 +40,10 @@ H100 = mo.Platform("cuda", "nvidia", "sm_90")
 SPEC = mo.MoESpec(8, 256, 128, 2)
 FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block")
 TRITON = mo.get_backend("triton")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser(argv).parse_args(argv)
 
 
 @pytest.fixture
@@ -233,7 +238,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
 
     def gate_ups(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return [g for c in candidates(points_from_args(build_parser().parse_args(args))[0], 227 * 1024)
+        return [g for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
                 for g in c.gate_up]
 
     gemv = [g for g in gate_ups("Maverick", "bf16", 1) if g.gemv]
@@ -381,15 +386,15 @@ def test_shipped_config_files_load_and_cover_the_four_models():
 
 
 def test_tune_is_a_cli_subcommand_and_plans_points():
-    args = build_parser().parse_args(["tune", "--model", "Kimi-K3", "--shape", "16,512,256,4", "--weights", "bf16",
-                                      "--weights", "fp8-block", "--tokens", "1,128"])
+    args = _parse(["tune", "--model", "Kimi-K3", "--shape", "16,512,256,4", "--weights", "bf16",
+                   "--weights", "fp8-block", "--tokens", "1,128"])
     points = points_from_args(args)
     assert len(points) == 8
     assert {p.shape.key for p in points} >= {"E896-H3584-I384-k16-bf16", "E16-H512-I256-k4-fp8-block"}
 
 
 def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
-    for point in points_from_args(build_parser().parse_args(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
+    for point in points_from_args(_parse(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
         for c in candidates(point, 227 * 1024):
             assert c.gate_up and c.down
             rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
@@ -400,7 +405,7 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
 
 
 def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
-    points = points_from_args(build_parser().parse_args(["tune", "--model", "Maverick", "--tokens", "1,1024"]))
+    points = points_from_args(_parse(["tune", "--model", "Maverick", "--tokens", "1,1024"]))
     plan = [(p, candidates(p, 227 * 1024)) for p in points]
     tasks = compile_tasks(plan)
     assert all(0 < len(kernels) <= COMPILE_CHUNK for _, _, kernels in tasks)
@@ -427,7 +432,7 @@ def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_bud
 def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_chip():
     def downs(model, weights="bf16"):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", "8192"]
-        return [(c.block_m, d) for c in candidates(points_from_args(build_parser().parse_args(args))[0], 227 * 1024)
+        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
                 for d in c.down]
 
     kimi = [(m, d) for m, d in downs("Kimi-K3") if d.n_split]
@@ -489,3 +494,16 @@ def test_bench_floor_takes_the_faster_read_and_the_formats_matrix_rate():
     assert "highest 99.0% (Kimi-K3 M=128)" in table and "lowest 50.0% (Kimi-K3 M=1)" in table
     assert "| bf16 triton (us) |" in table and "faster at 2 of 2 points" in table
     assert "read bandwidth 4.45 TB/s" in table and "4.29 TB/s read + written" in table
+
+
+def test_tune_imports_no_serving_module():
+    """`moe-overlay tune` runs where the serving stack is absent (the GPU lane): the command line
+    imports only the subcommand it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moe_overlay.cli import build_parser; "
+            "build_parser(['tune', '--help-not-parsed']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('moe_overlay.serving', 'pydantic', 'vllm'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
