@@ -1,7 +1,7 @@
 """Load and faults on the served tiny Mixtral: a small load run (no failures but the planned
 cancellations, healthy afterwards), SIGTERM with requests in flight (each finishes or is refused
 cleanly, exit 0), and the engine process killed (the server exits non-zero, saying why, within
-seconds)."""
+seconds). The first server takes its API key from the environment (VLLM_API_KEY) and enforces it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 
 from moe_overlay.serving.builtin_models import ensure_builtin
+from moe_overlay.serving.config import API_KEY_ENV
 from moe_overlay.serving.harness import Server, serve
 from moe_overlay.serving.lifecycle import STOPPED
 from moe_overlay.serving.load import run_load
@@ -27,6 +28,7 @@ MODEL = "tiny-mixtral"
 IN_FLIGHT = 3
 LONG = 400  # tokens: still generating when the signal comes
 EXIT_WITHIN_S = 30
+ENV_KEY = "sk-from-the-environment-4d2c"
 
 
 def _stream(server: Server, results: list, started: threading.Semaphore) -> None:
@@ -34,7 +36,7 @@ def _stream(server: Server, results: list, started: threading.Semaphore) -> None
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True,
             "temperature": 0, "stream": True}
     request = urllib.request.Request(server.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {ENV_KEY}"})
     tokens, finish, done, refused = 0, None, False, None
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -81,10 +83,11 @@ def stopped(tmp_path_factory):
     ensure_builtin(MODEL)
     log = tmp_path_factory.mktemp("faults") / "sigterm.log"
     runs: dict = {}
-    with serve(CONFIG, log) as server:
+    with serve(CONFIG, log, {API_KEY_ENV: ENV_KEY}, api_key=ENV_KEY) as server:
+        runs["without_key"] = Server(server.process, server.port, server.log_path).request("/v1/moe")[0]
         runs["load"] = run_load(server.base_url, clients=6, requests=30, max_seconds=240,
                                 prompt_lengths=[8, 64, 200], output_lengths=[4, 16, 48],
-                                server_pid=server.process.pid)
+                                server_pid=server.process.pid, api_key=ENV_KEY)
         results: list = []
         started = threading.Semaphore(0)
         threads = [threading.Thread(target=_stream, args=(server, results, started)) for _ in range(IN_FLIGHT)]
@@ -114,6 +117,11 @@ def test_load_run_has_no_failures_and_leaves_the_server_healthy(stopped):
     assert report.healthy_after
     assert report.ttft_ms["p50"] is not None and report.per_token_ms["p99"] is not None
     assert report.server_rss_mib["before"] and report.server_rss_mib["after"]
+
+
+def test_a_key_from_the_environment_is_enforced_and_never_logged(stopped):
+    assert stopped["without_key"] == 401
+    assert "every route requires the API key" in stopped["log"] and ENV_KEY not in stopped["log"]
 
 
 def test_sigterm_lets_requests_finish_or_refuses_them_cleanly_and_exits_0(stopped):
