@@ -128,8 +128,8 @@ def _config_on(weights: Path, out: Path) -> Path:
     return out
 
 
-def _answers(server: Server, prompts: list[str] = SERVED_PROMPTS) -> list[list[int]]:
-    body = {"model": MODEL, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+def _answers(server: Server, prompts: list[str] = SERVED_PROMPTS, model: str = MODEL) -> list[list[int]]:
+    body = {"model": model, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     return [c["token_ids"] for c in sorted(server.post("/v1/completions", body)["choices"], key=lambda c: c["index"])]
 
@@ -224,3 +224,23 @@ def test_every_reload_lays_the_layers_out_again(served):
     assert status == 200 and all(row["prepared"] for row in payload["layers"])
     tables = served["log"].count("[moe-overlay] MixtralForCausalLM: 2 MoE layers")
     assert tables == 1 + 5 + 1 + 3  # the start, then once after every reload
+
+
+@pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-llama4-maverick"])
+def other_twin(request, tmp_path_factory):
+    """The other twins the CPU lane serves: fresh answers, then after five reloads."""
+    name = request.param
+    ensure_builtin(name)
+    with serve(ROOT / "configs" / f"{name}.yaml", tmp_path_factory.mktemp("twin") / f"{name}.log", DEV_MODE) as server:
+        fresh = _answers(server, model=name)
+        for _ in range(5):
+            swap_weights(server.base_url)
+        again = _answers(server, model=name)
+        status, moe = server.request("/v1/moe")
+    return {"fresh": fresh, "again": again, "status": status, "moe": moe}
+
+
+def test_five_reloads_change_nothing_on_the_other_twins(other_twin):
+    assert all(len(t) == NEW_TOKENS for t in other_twin["fresh"])
+    assert other_twin["again"] == other_twin["fresh"]
+    assert other_twin["status"] == 200 and all(row["prepared"] for row in other_twin["moe"]["layers"])
