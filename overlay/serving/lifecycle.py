@@ -75,14 +75,17 @@ class EndResponsesWhenEngineStops:
             await send(message)
 
         task = asyncio.ensure_future(self.app(scope, receive, tracked))
-        while not task.done():
-            await asyncio.wait({task}, timeout=POLL_S)
-            if not task.done() and engine_stopped():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await self._end(scope, receive, send, state)
-                return
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=POLL_S)
+                if not task.done() and engine_stopped():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    await self._end(scope, receive, send, state)
+                    return
+        finally:
+            task.cancel()  # no-op when done; when this request itself is cancelled, so is the app's part
         if task.exception() is not None and engine_stopped():  # the app failed on the stopped engine
             await self._end(scope, receive, send, state)
             return
