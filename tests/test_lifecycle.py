@@ -1,0 +1,102 @@
+"""The server's side of an engine that stops, without a server: open responses are ended once the
+engine has stopped (a stream with an error event, a response not started with a 503), others pass
+untouched; the exit status tells a dead engine from a stop. Served: tests/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from moe_overlay.serving import lifecycle
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.errored = False
+        self.output_handler: asyncio.Task | None = None
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    fake = FakeEngine()
+    monkeypatch.setattr(lifecycle, "_engine", fake)
+    monkeypatch.setattr(lifecycle, "POLL_S", 0.01)
+    return fake
+
+
+async def _call(app, engine: FakeEngine, stop_after: float | None) -> list[dict]:
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def stop() -> None:
+        if stop_after is not None:
+            await asyncio.sleep(stop_after)
+            engine.errored = True
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await asyncio.wait_for(asyncio.gather(lifecycle.EndResponsesWhenEngineStops(app)(scope, receive, send), stop()), 5)
+    return sent
+
+
+async def _endless_stream(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+    await asyncio.sleep(3600)  # vLLM's stream after the engine stopped: nothing more ever comes
+
+
+async def _never_starts(scope, receive, send) -> None:
+    await asyncio.sleep(3600)
+
+
+async def _answers(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+
+def test_an_open_stream_ends_with_an_error_event_once_the_engine_stopped(engine):
+    sent = asyncio.run(_call(_endless_stream, engine, stop_after=0.05))
+    last = sent[-1]
+    assert last["type"] == "http.response.body" and last["more_body"] is False
+    event = json.loads(last["body"].decode().removeprefix("data: "))
+    assert event["error"]["message"] == lifecycle.STOPPED and event["error"]["code"] == 503
+
+
+def test_a_response_not_started_is_a_503(engine):
+    sent = asyncio.run(_call(_never_starts, engine, stop_after=0.05))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    assert lifecycle.STOPPED in sent[-1]["body"].decode()
+
+
+def test_a_running_engine_changes_nothing(engine):
+    sent = asyncio.run(_call(_answers, engine, stop_after=None))
+    assert [m.get("body") for m in sent] == [None, b"ok"] and sent[0]["status"] == 200
+
+
+def _finished_task(cancel: bool) -> asyncio.Task:
+    async def make() -> asyncio.Task:
+        task = asyncio.ensure_future(asyncio.sleep(3600 if cancel else 0))
+        if cancel:
+            task.cancel()
+        await asyncio.wait({task})
+        return task
+
+    return asyncio.run(make())
+
+
+def test_exit_status_tells_a_dead_engine_from_a_stop(monkeypatch, capsys):
+    monkeypatch.setattr(lifecycle, "_engine", None)
+    assert lifecycle.exit_status() == 0  # no engine was watched
+    monkeypatch.setattr(lifecycle, "_engine", SimpleNamespace(output_handler=_finished_task(cancel=True)))
+    assert lifecycle.exit_status() == 0  # a stop cancels the output loop
+    monkeypatch.setattr(lifecycle, "_engine", SimpleNamespace(output_handler=_finished_task(cancel=False)))
+    assert lifecycle.exit_status() == 1  # the loop ended on its own: the engine died
+    assert "the engine process died while serving" in capsys.readouterr().err
