@@ -218,9 +218,14 @@ class OverlayMoEMethod(FusedMoEMethodBase):
             self.prepared = mo.PreparedExperts(self.spec, tensors, self.selection)
         elif _storage(tensors["w13"]) != _storage(self.prepared.tensors["w13"]):
             # vLLM's layerwise reload: the new weights are in tensors built for the reload, which
-            # vLLM copies into the layer's own parameters right after this. Lay those out; the
-            # adapter stays on the layer's own tensors, laid out below, which then get the bytes.
+            # vLLM copies into the layer's own parameters right after this. The adapter stays on
+            # its own tensors (the layer's, and a merged per-tensor scale of its own): they take
+            # the new values here and are laid out below; the reload's are laid out for the copy.
+            self.prepared.restore()
+            for name, tensor in tensors.items():
+                self.prepared.tensors[name].copy_(tensor)
             mo.PreparedExperts(self.spec, tensors, self.selection).prepare()
+            self.prepared.mark_reloaded()
         else:
             # The loader restored before writing: all canonical now. Views are taken afresh
             # (a per-tensor fp8 reload merges the w1/w3 scales again).

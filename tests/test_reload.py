@@ -32,6 +32,7 @@ from moe_overlay.models.tiny import RECIPES, Tokens
 from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.harness import Server, serve
 from moe_overlay.serving.weights import swap_weights
+from tests import test_quant_methods as quant_formats
 from tests.backends_for_tests import RelayoutBackend
 from tests.e2e import PROMPTS, ROOT
 from tests.vllm_layers import build_moe, forward, vllm_context
@@ -100,6 +101,34 @@ def test_vllm_layerwise_reload_on_a_shuffled_layout(_vllm):
         assert torch.equal(layer.w13_weight, fresh.routed_experts.w13_weight)
         assert torch.equal(layer.w2_weight, fresh.routed_experts.w2_weight)
 
+
+
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+def test_vllm_layerwise_reload_of_each_checkpoint_format(_vllm, fmt):
+    """Each format the quant-method table maps (fp8 block, per-tensor with its merged w1/w3 scale,
+    per-channel, mxfp4, unquantised), on a shuffled layout: two layerwise reloads of other weights
+    compute what a fresh load of them computes, from the layer's own weight storage."""
+    config, kind, _, _ = quant_formats.FORMATS[fmt]
+
+    def layer():
+        with adapter_scope("TestForCausalLM"):
+            runner = build_moe(num_experts=quant_formats.E, top_k=quant_formats.K, hidden_size=quant_formats.H,
+                               intermediate_size=quant_formats.I, quant_config=config(),
+                               routed_experts_cls=OverlayRoutedExperts)
+        runner.routed_experts.quant_method.selection = mo.Selection(RelayoutBackend(SHUFFLED), "test")
+        return runner
+
+    runner, fresh = layer(), layer()
+    _first_load(runner, quant_formats.make_checkpoint(kind, seed=0)[0])
+    _first_load(fresh, quant_formats.make_checkpoint(kind, seed=7)[0])
+    x, logits, _, _ = quant_formats.routes()
+    method = runner.routed_experts.quant_method
+    for _ in range(2):
+        _vllm_reload(runner, quant_formats.make_checkpoint(kind, seed=7)[0])
+        assert method.prepared.layout == SHUFFLED
+        assert torch.equal(forward(runner, x, logits), forward(fresh, x, logits))
+        own = {p.untyped_storage().data_ptr() for p in runner.routed_experts.parameters()}
+        assert {method.prepared.tensors[n].untyped_storage().data_ptr() for n in ("w13", "w2")} <= own
 
 # -- served: the tiny Mixtral through vLLM's endpoints ----------------------------------------
 
