@@ -65,6 +65,17 @@ def prompt_ids(server: Server, model: str, prompts: list[str] = PROMPTS) -> list
     return [c["prompt_token_ids"] for c in server.post("/v1/completions", body)["choices"]]
 
 
+def chat(server: Server, model: str) -> dict[str, Any]:
+    return server.post("/v1/chat/completions", {"model": model, "max_tokens": 8, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "Hello!"}]})
+
+
+def observe(server: Server, model: str) -> dict[str, Any]:
+    """What a served twin answers: greedy completions, a chat, /v1/moe and the prompts' ids."""
+    return {"completions": generate(server, model), "chat": chat(server, model), "moe": server.request("/v1/moe"),
+            "prompt_ids": prompt_ids(server, model)}
+
+
 def abs_diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
     return sorted(abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
 

@@ -15,7 +15,17 @@ import pytest
 
 from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.harness import serve
-from tests.e2e import DISABLED, NEW_TOKENS, PROMPTS, ROOT, assert_logprobs_agree, generate, prompt_ids, score
+from tests.e2e import (
+    DISABLED,
+    NEW_TOKENS,
+    PROMPTS,
+    ROOT,
+    assert_logprobs_agree,
+    chat,
+    generate,
+    prompt_ids,
+    score,
+)
 
 CONFIG = ROOT / "configs" / "tiny-deepseek-v3.yaml"
 MODEL = "tiny-deepseek-v3"
@@ -32,9 +42,7 @@ def runs(tmp_path_factory):
     with serve(CONFIG, logs / "overlay.log", {}) as server:
         tokens = generate(server, MODEL)
         sequences = [p + t for p, t in zip(prompt_ids(server, MODEL), tokens, strict=True)]
-        chat = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0,
-                                                    "messages": [{"role": "user", "content": "Hello!"}]})
-        runs["overlay"] = {"tokens": tokens, "scores": score(server, MODEL, sequences), "chat": chat,
+        runs["overlay"] = {"tokens": tokens, "scores": score(server, MODEL, sequences), "chat": chat(server, MODEL),
                            "moe": server.request("/v1/moe")}
     runs["overlay"]["log"] = server.log()
     with serve(CONFIG, logs / "stock.log", DISABLED) as server:

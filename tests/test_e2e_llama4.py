@@ -16,8 +16,8 @@ import re
 import pytest
 
 from moe_overlay.serving.builtin_models import ensure_builtin
-from moe_overlay.serving.harness import Server, serve
-from tests.e2e import DISABLED, NEW_TOKENS, PROMPTS, ROOT, abs_diffs, generate, prompt_ids, score
+from moe_overlay.serving.harness import serve
+from tests.e2e import DISABLED, NEW_TOKENS, PROMPTS, ROOT, abs_diffs, observe, score
 
 CONFIG = ROOT / "configs" / "tiny-llama4-maverick.yaml"
 FP8_CONFIG = ROOT / "configs" / "tiny-llama4-maverick-fp8.yaml"
@@ -31,13 +31,6 @@ FP8_P90_TOLERANCE = 0.15
 pytestmark = pytest.mark.timeout(1800)
 
 
-def _observe(server: Server, model: str) -> dict:
-    chat = server.post("/v1/chat/completions", {"model": model, "max_tokens": 8, "temperature": 0,
-                                                "messages": [{"role": "user", "content": "Hello!"}]})
-    return {"completions": generate(server, model), "chat": chat, "moe": server.request("/v1/moe"),
-            "prompt_ids": prompt_ids(server, model)}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     for name in (MODEL, FP8_MODEL):
@@ -46,14 +39,14 @@ def runs(tmp_path_factory):
     out = {}
     for name, env in (("overlay", {}), ("stock", DISABLED)):
         with serve(CONFIG, logs / f"{name}.log", env) as server:
-            out[name] = _observe(server, MODEL)
+            out[name] = observe(server, MODEL)
             if name == "overlay":  # the sequences the fp8 twin is scored on, and fp32's answer
                 out["sequences"] = [p + t for p, t in zip(out[name]["prompt_ids"], out[name]["completions"],
                                                           strict=True)]
                 out["scores"] = score(server, MODEL, out["sequences"])
         out[name]["log"] = server.log()
     with serve(FP8_CONFIG, logs / "fp8.log") as server:
-        out["fp8"] = _observe(server, FP8_MODEL)
+        out["fp8"] = observe(server, FP8_MODEL)
         out["fp8"]["scores"] = score(server, FP8_MODEL, out["sequences"])
     out["fp8"]["log"] = server.log()
     return out

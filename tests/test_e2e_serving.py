@@ -8,7 +8,7 @@ import re
 import pytest
 
 from moe_overlay.serving.builtin_models import ensure_builtin
-from moe_overlay.serving.harness import Server, serve
+from moe_overlay.serving.harness import serve
 from tests.e2e import (
     DISABLED,
     NEW_TOKENS,
@@ -16,9 +16,8 @@ from tests.e2e import (
     ROOT,
     assert_logprobs_agree,
     config_variant,
-    generate,
     mean_abs_diff,
-    prompt_ids,
+    observe,
     score,
 )
 
@@ -26,13 +25,6 @@ CONFIG = ROOT / "configs" / "tiny-mixtral.yaml"
 MODEL = "tiny-mixtral"
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _observe(server: Server) -> dict:
-    chat = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0,
-                                                "messages": [{"role": "user", "content": "Hello!"}]})
-    return {"completions": generate(server, MODEL), "chat": chat, "moe": server.request("/v1/moe"),
-            "prompt_ids": prompt_ids(server, MODEL)}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,7 @@ def float32_runs(tmp_path_factory):
     runs = {}
     for name, env in (("overlay", {}), ("stock", DISABLED)):
         with serve(config, logs / f"{name}.log", env) as server:
-            runs[name] = _observe(server)
+            runs[name] = observe(server, MODEL)
             if name == "overlay":  # sequences the bf16 servers score against fp32's answer
                 runs["sequences"] = [p + t for p, t in zip(runs[name]["prompt_ids"], runs[name]["completions"],
                                                            strict=True)]
