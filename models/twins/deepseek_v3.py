@@ -13,17 +13,17 @@ safetensors directly (transformers does not build DeepSeek-V3 in fp8).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...quant import quantize_fp8
+from ...spec import QuantSpec
 from ..tiny import Recipe, Tokens, register, write_checkpoint
 
 if TYPE_CHECKING:
     import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linear layers of the real checkpoint that carry fp8 weights (all others stay bf16/fp32).
 ATTENTION_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -163,7 +163,8 @@ class TinyDeepseekV3Recipe(Recipe):
             if name.endswith("e_score_correction_bias"):
                 tensors[name] = master  # float32 in the published checkpoint
             elif self.fp8_block is not None and is_quantised(name):
-                tensors[name], tensors[name + "_scale_inv"] = quantise_blocks(master, self.fp8_block)
+                weight, scale = quantize_fp8(master[None], QuantSpec("fp8", "block", self.fp8_block))
+                tensors[name], tensors[name + "_scale_inv"] = weight[0], scale[0]
             else:
                 tensors[name] = master.to(torch.bfloat16)
         n_params = write_checkpoint(out, self.config(tokens), tensors)
@@ -178,23 +179,6 @@ def is_quantised(name: str) -> bool:
     """Whether the published fp8 checkpoint stores this tensor in fp8 (with a weight_scale_inv)."""
     parts = name.split(".")
     return parts[-1] == "weight" and parts[-2] in (*ATTENTION_LINEARS, *MLP_LINEARS)
-
-
-def quantise_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn weight and its float32 scale per block (the last blocks may be partial):
-    weight ~= fp8 * scale, block by block."""
-    import torch
-
-    rows, cols = weight.shape
-    bn, bk = block
-    grid = (math.ceil(rows / bn), math.ceil(cols / bk))
-    padded = torch.zeros(grid[0] * bn, grid[1] * bk)
-    padded[:rows, :cols] = weight
-    blocks = padded.view(grid[0], bn, grid[1], bk)
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quantised = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
-    return quantised.to(torch.float8_e4m3fn), scale.float()
 
 
 register("tiny-deepseek-v3", TinyDeepseekV3Recipe())
