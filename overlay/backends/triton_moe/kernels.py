@@ -221,7 +221,7 @@ def quantize_groups_kernel(
 
 
 @triton.jit
-def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr):
+def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
     `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
     (A_FMT, bf16 or fp16). `b_scale` is _step_scales'."""
@@ -229,6 +229,8 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
         acc = tl.dot(a, b, acc)
     elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
         acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
+    elif W_QUANT == W_BLOCK and ONE_SCALE:  # a scale per row this K step: one multiply-add per element
+        acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
     elif W_QUANT == W_BLOCK:
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
     else:
@@ -237,15 +239,19 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
 
 
 @triton.jit
-def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ONE_SCALE: tl.constexpr):
     """The weight scales K step `k` needs for weight rows `rows` (of `cols` columns): fp8
-    block, one per row; mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups
+    block, one per row, or one for all (ONE_SCALE: the rows lie in one 128-row scale block,
+    which halves the main loop's rescaling); mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups
     past the row's end read as 2^0: their weights read as zeros); others none (0)."""
     scales = 0.0
     if W_QUANT == W_MXFP4:
         groups = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
         ok = rows_ok[:, None] & (groups < cols // MX_GROUP)[None, :]
         scales = tl.load(scale_base + rows[:, None] * stride_sn + groups[None, :], mask=ok, other=127)
+    elif W_QUANT == W_BLOCK and ONE_SCALE:
+        scales = tl.load(scale_base + (tl.min(rows, 0) // SCALE_BLOCK) * stride_sn + k)
     elif W_QUANT == W_BLOCK:
         scales = tl.load(scale_base + (rows // SCALE_BLOCK) * stride_sn + k)
     return scales
@@ -346,7 +352,7 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden,
                   stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                  A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr,
+                  A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, ONE_SCALE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over canonical weights (gate rows, then up rows; fp8 and mxfp4 keep this
     layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
@@ -364,10 +370,10 @@ def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k
         gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
         up = tl.load(up_ptrs, mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, BLOCK_M)
-        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K)
-        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT)
+        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
+        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // PACK
         up_ptrs += BLOCK_K // PACK
@@ -393,7 +399,7 @@ def gate_up_kernel(
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     W_DESC: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
-    A_FMT: tl.constexpr, PACK: tl.constexpr,
+    A_FMT: tl.constexpr, PACK: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -437,7 +443,7 @@ def gate_up_kernel(
         w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * (BLOCK_K // PACK)
         acc_gate, acc_up = _gate_up_pair(a_ptrs, a_scale_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first,
                                          k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8,
-                                         A_FMT, PACK, TILE_M, BLOCK_N, BLOCK_K)
+                                         A_FMT, PACK, ONE_SCALE, TILE_M, BLOCK_N, BLOCK_K)
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
@@ -528,7 +534,7 @@ def down_kernel(
     num_blocks_m, num_experts, hidden, inter,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, W_DESC: tl.constexpr,
+    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -564,8 +570,8 @@ def down_kernel(
             w = tl.load(w_ptrs, mask=w_ok, other=0.0)
             w_ptrs += BLOCK_K // PACK
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K)
-        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT)
+        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
+        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE)
         a_ptrs += BLOCK_K
     acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT)
     if not WEIGHT_ON_INPUT:

@@ -199,7 +199,7 @@ def gate_up(
         INTERLEAVED=layer.shape.interleaved,
         W_DESC=layer.shape.interleaved and _descriptors(cfg, w13),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
-        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
+        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter),
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -247,10 +247,16 @@ def down(
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
         FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
-        W_DESC=layer.pack == 1 and _descriptors(cfg, w2),
+        W_DESC=layer.pack == 1 and _descriptors(cfg, w2), ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0),
         BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _one_block_scale(layer: Layer, block_n: int, first_row: int) -> bool:
+    """Whether every N tile of fp8 block weights whose rows start at `first_row` (up: after
+    the I gate rows) lies in one 128-row scale block: then a K step has one weight scale."""
+    return layer.granularity == "block" and kernels.SCALE_BLOCK.value % block_n == 0 and first_row % block_n == 0
 
 
 def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[int, int]:
