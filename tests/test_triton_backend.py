@@ -229,10 +229,11 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     config = launch.launch_config(shape, torch.device("cpu"), 512)
     assert config.block_m == 32  # one row tile
     assert config.gate_up.block_k == configs.MX_MIN_K and config.down.block_k == 256
-    assert not (config.gate_up.gemv or config.gate_up.descriptors or config.down.descriptors or config.down.n_split)
+    assert config.gate_up.gemv  # mxfp4 has a gemv gate/up (it runs in tiny mode)
+    assert not (config.gate_up.descriptors or config.down.descriptors or config.down.n_split)
 
 
-def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypatch):
+def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
@@ -245,6 +246,8 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
     assert gemv and all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in gemv)
     assert {g.split_k for g in gemv} <= {g.split_k for g in gate_ups("Maverick", "bf16", 1) if not g.gemv}
     assert not any(g.gemv for g in gate_ups("DeepSeek-V3", "fp8-block", 1))
+    mxfp4 = [g for g in gate_ups("Kimi-K3", "mxfp4", 1) if g.gemv]
+    assert mxfp4 and all(g.block_k >= configs.MX_MIN_K for g in mxfp4)
     assert not any(g.gemv for g in gate_ups("Maverick", "bf16", 1024))
 
     tiny = {**_entry(16), "gate_up": {**_entry(16)["gate_up"], "split_k": 4, "gemv": True}}
@@ -257,8 +260,8 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_only(tmp_path, monkeypat
     assert configs.LaunchConfig.from_json(bf16.to_json()) == bf16
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
     layer = launch.Layer(shapes[1])
-    with pytest.raises(ValueError, match="interleaved bf16/fp16"):
-        launch._gate_up_gemv(*(torch.empty(1),) * 5, layer, bf16.gate_up, torch.empty(1))
+    with pytest.raises(ValueError, match="bf16/fp16 or mxfp4 weights, not fp8-block"):
+        launch._gate_up_gemv(*(torch.empty(1),) * 6, layer, bf16.gate_up, torch.empty(1))
 
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):

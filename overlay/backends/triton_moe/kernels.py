@@ -7,8 +7,9 @@ required for fp8) and MFMA read as is; gate and up are two B tiles of one progra
 activation is applied in registers and only `[routes, I]` reaches memory. mxfp4 weights
 stay packed (`[E, N, K/2]` uint8, scales `[E, N, K/32]` e8m0): each weight tile goes to
 `tl.dot_scaled`, which on GPUs without fp4 matrix units (Hopper, MI300) dequantises it in
-registers to the activations' 16-bit type inside the main loop; down_tiny_kernel's
-matrix-vector products dequantise with _e2m1_to_f32.
+registers to the activations' 16-bit type inside the main loop; the matrix-vector products
+(down_tiny_kernel, and gate_up_gemv_kernel when tuned so) decode e2m1 themselves
+(_mx_products) and scale each 32-wide group's sum once.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
 - general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of
@@ -257,15 +258,34 @@ def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.cons
     return scales
 
 
+E2M1_SMALL_EXP: tl.constexpr = tl.constexpr(14)  # _e2m1_small's values are the codes' times 2^-14
+
+
 @triton.jit
-def _e2m1_to_f32(codes):
-    """fp4 e2m1 codes (int32, 0..15: sign, two exponent bits, one mantissa bit) -> fp32, by
-    building the fp32 bits: exponent e + 126 and the mantissa bit on top for e > 0; the
-    subnormal codes are 0 and 0.5."""
-    magnitude = codes & 7
-    normal = ((magnitude << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
-    return tl.where((codes & 8) != 0, -value, value)
+def _e2m1_small(codes):
+    """fp4 e2m1 codes (int32, 0..15: sign, two exponent bits, one mantissa bit) -> fp32 times
+    2^-E2M1_SMALL_EXP: the bits placed where fp16 keeps sign, exponent and mantissa (exponent
+    0, the codes 0 and 0.5, lands on fp16's subnormals, which convert to fp32 exactly); five
+    integer operations and one conversion a value."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mx_products(packed, a_even, a_odd):
+    """Packed e2m1 pairs (uint8; even K in the low nibble, odd K in the high one) times the
+    activations of the even and odd columns, summed per pair, in units of 2^-E2M1_SMALL_EXP
+    and before the e8m0 scales (_mx_group_sums applies them)."""
+    codes = packed.to(tl.int32)
+    return _e2m1_small(codes & 15) * a_even + _e2m1_small(codes >> 4) * a_odd
+
+
+@triton.jit
+def _mx_group_sums(products, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`[ROWS, BLOCK_K / 2]` pair products -> `[ROWS, BLOCK_K / 32]` sums of each 32-wide scale
+    group times its e8m0 scale (`scales`, uint8): one multiply a group, not a value."""
+    sums = tl.sum(tl.reshape(products, [ROWS, BLOCK_K // MX_GROUP, MX_GROUP // 2]), axis=2)
+    return sums * _e8m0_to_f32(scales.to(tl.int32) + E2M1_SMALL_EXP)
 
 
 @triton.jit
@@ -451,16 +471,19 @@ def gate_up_kernel(
 
 @triton.jit
 def gate_up_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
     inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_om, stride_os,
-    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Tiny mode, bf16/fp16 (interleaved w13), a program per (route, BLOCK_N columns of I, K
-    split): its route's matrix-vector product in registers, no tensor cores and no shared
-    memory. With one route per expert (one token: its top-k experts are distinct) a dot's 16
-    rows and its staging through shared memory cost time and carry nothing; routes that
-    share an expert each read it. Writes gate_up_kernel's tiny-mode fp32 partials."""
+    """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
+    matrix-vector product in registers, no tensor cores and no shared memory. With one route
+    per expert (one token: its top-k experts are distinct) a dot's 16 rows and its staging
+    through shared memory cost time and carry nothing; routes that share an expert each read
+    it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
+    gate n and up n, so both reduce alike), see _mx_products. Writes gate_up_kernel's
+    tiny-mode fp32 partials."""
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -468,21 +491,38 @@ def gate_up_gemv_kernel(
     if expert < 0:
         return
     k_first, k_last = _k_split(hidden, BLOCK_K)
-    offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    w_ok = offs_w < 2 * inter
-    offs_k = tl.arange(0, BLOCK_K)
-    first_k = k_first * BLOCK_K + offs_k
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None] * stride_wn + first_k[None, :]
-    x_ptrs = x_ptr + (route // top_k) * stride_xm + first_k
-    acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k in range(k_first, k_last):
-        k_ok = offs_k < hidden - k * BLOCK_K
-        w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), [BLOCK_N, 2]))
+    pair = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # gate n at 2n, up n at 2n + 1
+    w_ok = pair // 2 < inter
+    x_row = x_ptr + (route // top_k) * stride_xm
+    if W_QUANT == W_MXFP4:
+        offs_w = pair // 2 + (pair % 2) * inter
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None] * stride_wn
+        scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+        groups = tl.zeros([2 * BLOCK_N, BLOCK_K // MX_GROUP], dtype=tl.float32)
+        for k in range(k_first, k_last):
+            offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            b_ok = offs_b < hidden // 2
+            packed = tl.load(w_rows + offs_b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
+            a_even = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            a_odd = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
+            groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
+        rows = tl.sum(groups, axis=1)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        first_k = k_first * BLOCK_K + offs_k
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + pair[:, None] * stride_wn + first_k[None, :]
+        x_ptrs = x_row + first_k
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+        for k in range(k_first, k_last):
+            k_ok = offs_k < hidden - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        rows = tl.sum(acc, axis=1)
+    gate, up = tl.split(tl.reshape(rows, [BLOCK_N, 2]))
     if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W), as in _gate_up_store
         route_weight = tl.load(topk_weights_ptr + route)
         gate *= route_weight
@@ -686,15 +726,19 @@ def down_tiny_kernel(
         if W_QUANT == W_MXFP4:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high ones
             offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             b_ok = w_ok & (offs_b < inter // 2)[None, None, :]
-            packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0).to(tl.int32)
-            scale = _e8m0_to_f32(tl.load(scale_rows + (offs_b // (MX_GROUP // 2))[None, None, :], mask=b_ok,
-                                         other=127))
+            packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0)
+            offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
+            g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
+            scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
             a_even = _tiny_activation(partial_ptr, routes, here, 2 * offs_b, inter, stride_ps, stride_pr, beta,
                                       linear_beta, ACTIVATION, SPLITS)
             a_odd = _tiny_activation(partial_ptr, routes, here, 2 * offs_b + 1, inter, stride_ps, stride_pr, beta,
                                      linear_beta, ACTIVATION, SPLITS)
-            products = _e2m1_to_f32(packed & 15) * a_even[:, None, :] + _e2m1_to_f32(packed >> 4) * a_odd[:, None, :]
-            acc += tl.sum(products * scale, axis=2)
+            products = tl.reshape(_mx_products(packed, a_even[:, None, :], a_odd[:, None, :]),
+                                  [K_PAD * BLOCK_N, BLOCK_K // 2])
+            sums = _mx_group_sums(products, tl.reshape(scale, [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP]),
+                                  K_PAD * BLOCK_N, BLOCK_K)
+            acc += tl.reshape(tl.sum(sums, axis=1), [K_PAD, BLOCK_N])
         else:
             offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)

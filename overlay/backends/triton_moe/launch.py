@@ -175,7 +175,7 @@ def gate_up(
     ids = topk_ids.reshape(-1)
     tiny = alignment is None
     if tiny and cfg.gemv:
-        _gate_up_gemv(x, w13, topk_weights, ids, expert_map, layer, cfg, out)
+        _gate_up_gemv(x, w13, w13_scale, topk_weights, ids, expert_map, layer, cfg, out)
         return
     num_blocks = ids.numel() if tiny else alignment.num_blocks
     sorted_args = (ids, ids, ids, ids) if tiny else (
@@ -207,18 +207,19 @@ def gate_up(
 
 
 def _gate_up_gemv(
-    x: torch.Tensor, w13: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor,
-    expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: torch.Tensor,
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: torch.Tensor,
 ) -> None:
     """Tiny gate/up as a matrix-vector product per route (kernels.gate_up_gemv_kernel)."""
-    if not layer.shape.interleaved:
-        raise ValueError(f"the gemv gate/up reads interleaved bf16/fp16 weights, not {layer.shape.weights}")
+    if layer.shape.fp8:
+        raise ValueError(f"the gemv gate/up reads bf16/fp16 or mxfp4 weights, not {layer.shape.weights}")
+    scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     _launch(
         kernels.gate_up_gemv_kernel, (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k),
-        x, w13, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
         layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), out.stride(1), out.stride(0),
-        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
+        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(1), out.stride(0),
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -129,8 +129,8 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N). For
-    bf16/fp16 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K products in
-    registers, 8 to 64 per thread."""
+    bf16/fp16 and mxfp4 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
+    products in registers, 8 to 64 per thread."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
@@ -187,11 +187,11 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
 
 
 def _runnable(shape: LayerShape, cands: Candidates) -> Candidates:
-    """mxfp4 (canonical packed weights): no gemv gate/up or resident down (bf16/fp16 kernels),
-    K steps of MX_MIN_K at least, as launch_config's rules have it; others as they are."""
+    """mxfp4 (canonical packed weights): no resident down (a bf16/fp16 kernel), K steps of
+    MX_MIN_K at least, as launch_config's rules have it; others as they are."""
     if shape.weights != "mxfp4":
         return cands
-    return Candidates(cands.block_m, [g for g in cands.gate_up if not g.gemv and g.block_k >= MX_MIN_K],
+    return Candidates(cands.block_m, [g for g in cands.gate_up if g.block_k >= MX_MIN_K],
                       [d for d in cands.down if not d.n_split and d.block_k >= MX_MIN_K])
 
 
