@@ -244,8 +244,9 @@ def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.cons
                  ONE_SCALE: tl.constexpr):
     """The weight scales K step `k` needs for weight rows `rows` (of `cols` columns): fp8
     block, one per row, or one for all (ONE_SCALE: the rows lie in one 128-row scale block,
-    which halves the main loop's rescaling); mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups
-    past the row's end read as 2^0: their weights read as zeros); others none (0)."""
+    so _mma_step rescales with one multiply-add an element, not two multiplies and an add);
+    mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups past the row's end
+    read as 2^0: their weights read as zeros); others none (0)."""
     scales = 0.0
     if W_QUANT == W_MXFP4:
         groups = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
