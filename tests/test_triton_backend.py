@@ -26,6 +26,7 @@ from moe_overlay.backends.triton_moe.bench import grouped_mm_experts, relative_e
 from moe_overlay.backends.triton_moe.tune import (
     COMPILE_CHUNK,
     REG_BUDGET,
+    STREAM_SPLITS,
     block_m_candidates,
     candidates,
     compile_tasks,
@@ -201,7 +202,7 @@ def test_user_files_come_from_the_environment_after_the_shipped_ones(tmp_path, m
         configs._table.cache_clear()
 
 
-def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, monkeypatch):
+def test_fp8_launches_step_one_scale_block_and_keep_programs_per_down_row_tile(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
@@ -211,7 +212,8 @@ def test_fp8_launches_step_one_scale_block_and_keep_tiles_for_down(tmp_path, mon
                                                            {"cpu": {s.key: {"512": resident} for s in shapes}})))
     bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
     assert bf16.down.n_split == 2 and bf16.down.block_k == 64
-    assert fp8.down.n_split == 0 and fp8.down.block_k == 128 == fp8.gate_up.block_k  # the resident block is bf16/fp16
+    assert bf16.down.n_split == 2 == fp8.down.n_split  # bf16: the resident down; fp8: the streamed one
+    assert fp8.down.block_k == 128 == fp8.gate_up.block_k
 
 
 def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads(tmp_path, monkeypatch):
@@ -230,7 +232,8 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     assert config.block_m == 32  # one row tile
     assert config.gate_up.block_k == configs.MX_MIN_K and config.down.block_k == 256
     assert config.gate_up.gemv  # mxfp4 has a gemv gate/up (it runs in tiny mode)
-    assert not (config.gate_up.descriptors or config.down.descriptors or config.down.n_split)
+    assert not (config.gate_up.descriptors or config.down.descriptors)
+    assert config.down.n_split == 2  # the streamed down reads packed tiles as the tiled one does
 
 
 def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_path, monkeypatch):
@@ -432,7 +435,7 @@ def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_bud
         assert all(c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 227 * 1024 for c in cfgs)
 
 
-def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_chip():
+def test_resident_downs_for_small_bf16_intermediates_fit_the_chip_and_quantised_downs_stream():
     def downs(model, weights="bf16"):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", "8192"]
         return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
@@ -442,7 +445,11 @@ def test_resident_down_candidates_only_for_small_bf16_intermediates_and_fit_the_
     assert kimi and {d.n_split for _, d in kimi} == {1, 2, 4} and all(d.block_k == 256 + 128 for _, d in kimi)
     assert all((configs.down_tile(m) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
     assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
-    assert not any(d.n_split for _, d in downs("DeepSeek-V3", "fp8-block"))
+    for model, weights in (("DeepSeek-V3", "fp8-block"), ("Kimi-K3", "mxfp4")):  # streamed: every tiled down split
+        quantised = downs(model, weights)
+        tiled = {(m, d) for m, d in quantised if not d.n_split}
+        assert tiled and {(m, replace(d, n_split=0)) for m, d in quantised if d.n_split} == tiled
+        assert {d.n_split for _, d in quantised} == {0, *STREAM_SPLITS}
     assert [configs.resident_k(i) for i in (256, 384, 72, 100)] == [(256, 0), (256, 128), (64, 16), (64, 64)]
 
 

@@ -114,8 +114,9 @@ FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
 # the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with
-# blocks of 32 grouped 2 by 2; the down kernel with a resident activation block, 2 or 3
-# programs per block (fp8 falls back to tiles); blocks of 48 rows (gate/up: row tiles of 32
+# blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its
+# share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
+# down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows (gate/up: row tiles of 32
 # and 16 sharing each weight tile; down: a program per 16 rows); weight tiles through tensor
 # descriptors (plain loads where the weights' rows are not 16-byte aligned: "unaligned").
 UNUSUAL = {
@@ -130,6 +131,7 @@ UNUSUAL = {
     "sorted-grouped": ({"block_m": 32, "gate_up": KERNEL, "down": KERNEL}, 40),
     "sorted-resident": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 40),
     "sorted-resident-3": ({"block_m": 16, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 3}}, 40),
+    "sorted-split-8": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "block_n": 64, "n_split": 8}}, 40),
     "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
     "tiny-descriptors": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4, "descriptors": True},
@@ -224,6 +226,23 @@ def test_kernel_activation_matches_the_definition_far_into_saturation(kind, beta
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs() / ref.abs().clamp(min=1.0)
     assert float(err.max()) < 1e-5, f"{kind} beta={beta}: worst at gate={gate[err.argmax()]}, up={up[err.argmax()]}"
+
+
+@needs_device
+@pytest.mark.parametrize("kind", ["plain", "tiles"])
+def test_floor_read_kernels_fold_every_word_they_time(kind):
+    """The bandwidth floor's read-only kernels: each program's output is the xor of all it read,
+    so a word left unread (or read twice) shows."""
+    import numpy as np
+
+    from moe_overlay.backends.triton_moe import bench
+
+    src = torch.randint(-2**31, 2**31 - 1, (2 * 16 * 4 * bench.READ_TILE_COLS,), dtype=torch.int32, device=DEVICE)
+    run, out = bench.plain_read(src, 512, 4, 4) if kind == "plain" else bench.tile_read(src, 16, 4, 4, 2)
+    run()
+    words = src.cpu().numpy().reshape(out.shape[0], 4, -1)  # program, iteration, its block or tile
+    expected = np.bitwise_xor.reduce(words, axis=1).reshape(out.shape)
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
 
 
 @needs_device

@@ -39,7 +39,8 @@ class KernelConfig:
     num_stages: int
     group_m: int = 1
     split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
-    n_split: int = 0  # general bf16/fp16 down only, > 0: down_resident_kernel, programs per M block
+    n_split: int = 0  # general down only, > 0: programs per row tile, each walking its share of the N tiles
+    # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed)
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
 
@@ -215,16 +216,17 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if not shape.interleaved:  # no resident block (bf16/fp16), no fp8 gemv gate/up; one row tile (the
-        # second is in the interleaved loop only). fp8: one K step per 128-wide scale block and
-        # activation group. mxfp4: K steps of whole 32-wide scale groups, at least MX_MIN_K, and
-        # weight tiles by plain loads (packed K, not what a descriptor's box holds)
+    if not shape.interleaved:  # no fp8 gemv gate/up; one row tile (the second is in the
+        # interleaved loop only); n_split streams the down (no resident block: that is bf16/fp16).
+        # fp8: one K step per 128-wide scale block and activation group. mxfp4: K steps of whole
+        # 32-wide scale groups, at least MX_MIN_K, and weight tiles by plain loads (packed K, not
+        # what a descriptor's box holds)
         gate_up_k, down_k = (128, 128) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
                                                           max(config.down.block_k, MX_MIN_K))
         config = replace(config, block_m=row_tiles(config.block_m)[0],
                          gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv and not shape.fp8,
                                          descriptors=config.gate_up.descriptors and shape.fp8),
-                         down=replace(config.down, block_k=down_k, n_split=0,
+                         down=replace(config.down, block_k=down_k,
                                       descriptors=config.down.descriptors and shape.fp8))
     return config
 

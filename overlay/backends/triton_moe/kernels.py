@@ -576,49 +576,62 @@ def down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
-    (`num_blocks_m` counts those) and BLOCK_N columns. W_DESC: weight tiles through a tensor
-    descriptor (_weight_desc)."""
-    pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
+    (`num_blocks_m` counts those) and BLOCK_N columns; or, streamed (N_SPLIT > 0), per TILE_M
+    rows and an N_SPLIT-th of the N tiles, walked in one loop over (N tile, K step) so that
+    the next tile's loads are in flight while a tile is stored (with I of two or three K
+    steps, a program per tile spends most of its time filling and draining its pipeline).
+    W_DESC: weight tiles through a tensor descriptor (_weight_desc)."""
+    tiles = tl.cdiv(hidden, BLOCK_N)
+    if N_SPLIT == 0:
+        pid_m, first = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
+        count = 1
+    else:
+        pid_m = tl.program_id(0) // N_SPLIT
+        per_program = tl.cdiv(tiles, N_SPLIT)
+        first = tl.program_id(0) % N_SPLIT * per_program
+        count = tl.minimum(per_program, tiles - first)
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
                                                   num_padded_ptr, BLOCK_M, TILE_M)
     if expert < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // PACK)  # mxfp4: packed K
-    n_ok = offs_n < hidden
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
-    if W_DESC:
-        desc = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K)
-        w_row = expert * hidden + pid_n * BLOCK_N  # rows past the expert's H only feed masked columns
-    else:
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kw[:, None]
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    desc = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K) if W_DESC else w_ptr
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    route_weight = 1.0
+    if not WEIGHT_ON_INPUT:
+        route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
+    out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
+    k_steps = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+    for step in range(0, count * k_steps):
+        tile = first + step // k_steps
+        k = step % k_steps
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
         k_ok = offs_k < inter - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
-            w = desc.load([w_row, k * BLOCK_K]).T
+        a = tl.load(a_ptrs + k * BLOCK_K, mask=rows[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:  # rows past the expert's H only feed masked columns
+            w = desc.load([expert * hidden + tile * BLOCK_N, k * BLOCK_K]).T
         else:
             w_ok = (offs_kw < (inter - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
-            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-            w_ptrs += BLOCK_K // PACK
+            w = tl.load(w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None],
+                        mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
         w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
         acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE)
-        a_ptrs += BLOCK_K
-    acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT)
-    if not WEIGHT_ON_INPUT:
-        acc *= tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
-    out_ptrs = out_ptr + routes.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+        if k == k_steps - 1:
+            acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
+            tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+            acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit

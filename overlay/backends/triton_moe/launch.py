@@ -151,8 +151,13 @@ def _descriptors(cfg: KernelConfig, weight: torch.Tensor) -> bool:
     weight allows. Then installs the scratch allocator the kernel's descriptors need."""
     if not (cfg.descriptors and weight_descriptors(weight)):
         return False
-    triton.set_allocator(_descriptor_scratch)
+    install_descriptor_scratch()
     return True
+
+
+def install_descriptor_scratch() -> None:
+    """Device scratch for the tensor descriptors kernels make (_descriptor_scratch)."""
+    triton.set_allocator(_descriptor_scratch)
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -228,9 +233,10 @@ def down(
     a: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     alignment: Alignment, layer: Layer, config: LaunchConfig, out: torch.Tensor,
 ) -> None:
-    """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1)."""
+    """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1).
+    n_split > 0: bf16/fp16 the resident down, other formats the streamed down_kernel."""
     cfg = config.down
-    if cfg.n_split:
+    if cfg.n_split and layer.shape.interleaved:
         _down_resident(a, w2, topk_weights, alignment, layer, config, out)
         return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
@@ -239,7 +245,7 @@ def down(
     a_fmt = A_FORMATS[a.dtype]
     a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded, layer.per_token) if a_fp8 else (a, a)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
-    grid = (tiles_m * triton.cdiv(layer.shape.hidden, cfg.block_n),)
+    grid = (tiles_m * (cfg.n_split or triton.cdiv(layer.shape.hidden, cfg.block_n)),)
     _launch(
         kernels.down_kernel, grid,
         a, a_scale, w2, scale, out, topk_weights,
@@ -249,7 +255,8 @@ def down(
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
         FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
         W_DESC=layer.pack == 1 and _descriptors(cfg, w2), ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0),
-        BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

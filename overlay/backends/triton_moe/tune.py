@@ -37,6 +37,7 @@ from .configs import (
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
 MAX_SPLIT_K = 16
+STREAM_SPLITS = (2, 4, 8)  # streamed down: programs per row tile
 RESIDENT_MAX_I = 512  # beyond, a program per output tile already has enough K steps to pipeline
 COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
 COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
@@ -141,15 +142,21 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
-def resident_down_candidates(block_m: int, fp8: bool, inter: int, smem_bytes: int) -> list[KernelConfig]:
+def resident_down_candidates(block_m: int, interleaved: bool, inter: int, smem_bytes: int) -> list[KernelConfig]:
     """down_resident_kernel (bf16/fp16, I of at most RESIDENT_MAX_I): the activation block and
     num_stages weight tiles of all of I in shared memory; 1 to 4 programs per M block."""
-    if fp8 or inter > RESIDENT_MAX_I:
+    if not interleaved or inter > RESIDENT_MAX_I:
         return []
     k = sum(resident_k(inter))
     return [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
             for split in (1, 2, 4)
             if (block_m + s * n) * k * 2 <= smem_bytes and block_m * n // (32 * w) <= REG_BUDGET]
+
+
+def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> list[KernelConfig]:
+    """down_kernel streamed (fp8 and mxfp4; bf16/fp16 have the resident down): each tiled
+    candidate with STREAM_SPLITS programs per row tile."""
+    return [] if interleaved else [replace(c, n_split=split) for c in tiled for split in STREAM_SPLITS]
 
 
 def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
@@ -180,19 +187,22 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     if is_tiny(point.tokens, top_k):
         return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
                                                   down_tiny_candidates(fp8, top_k, inter)))]
-    return [_runnable(point.shape, Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes),
-                                              gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
-                                              + resident_down_candidates(down_tile(b), fp8, inter, smem_bytes)))
-            for b in block_m_candidates(point.shape, point.tokens)]
+    cands = []
+    for b in block_m_candidates(point.shape, point.tokens):
+        tiled = gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
+        downs = (tiled + resident_down_candidates(down_tile(b), point.shape.interleaved, inter, smem_bytes)
+                 + streamed_down_candidates(tiled, point.shape.interleaved))
+        cands.append(_runnable(point.shape, Candidates(b, gemm_candidates(b, fp8, 2, smem_bytes), downs)))
+    return cands
 
 
 def _runnable(shape: LayerShape, cands: Candidates) -> Candidates:
-    """mxfp4 (canonical packed weights): no resident down (a bf16/fp16 kernel), K steps of
-    MX_MIN_K at least, as launch_config's rules have it; others as they are."""
+    """mxfp4 (canonical packed weights): K steps of MX_MIN_K at least, as launch_config's
+    rules have it; others as they are."""
     if shape.weights != "mxfp4":
         return cands
     return Candidates(cands.block_m, [g for g in cands.gate_up if g.block_k >= MX_MIN_K],
-                      [d for d in cands.down if not d.n_split and d.block_k >= MX_MIN_K])
+                      [d for d in cands.down if d.block_k >= MX_MIN_K])
 
 
 # -- running the kernels of one candidate ---------------------------------------------------
@@ -316,8 +326,8 @@ def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig],
     return timed[0] if timed else None
 
 
-def down_kind(cfg: KernelConfig) -> str:
-    return f"resident/{cfg.n_split}" if cfg.n_split else "tiled"
+def down_kind(cfg: KernelConfig, interleaved: bool) -> str:
+    return f"{'resident' if interleaved else 'streamed'}/{cfg.n_split}" if cfg.n_split else "tiled"
 
 
 def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float, list[str]]:
@@ -334,7 +344,7 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
         gate_up, down = problem.runners(c.block_m)
         by_kind: dict[str, list[KernelConfig]] = {}
         for d in c.down:
-            by_kind.setdefault(down_kind(d), []).append(d)
+            by_kind.setdefault(down_kind(d, point.shape.interleaved), []).append(d)
         for split in c.splits:
             gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split],
                           not problem.tiny and point.shape.interleaved)
