@@ -212,7 +212,9 @@ def test_fp8_launches_step_one_scale_block_and_keep_programs_per_down_row_tile(t
                                                            {"cpu": {s.key: {"512": resident} for s in shapes}})))
     bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
     assert bf16.down.n_split == 2 and bf16.down.block_k == 64
-    assert bf16.down.n_split == 2 == fp8.down.n_split  # bf16: the resident down; fp8: the streamed one
+    assert bf16.down.n_split == 2 == fp8.down.n_split
+    assert [s.down_kind(c.down) for s, c in zip(shapes, (bf16, fp8), strict=True)] == ["resident", "streamed"]
+    assert shapes[1].down_kind(replace(fp8.down, n_split=0)) == "tiled"
     assert fp8.down.block_k == 128 == fp8.gate_up.block_k
 
 

@@ -116,9 +116,10 @@ KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_
 # the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with
 # blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its
 # share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
-# down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows (gate/up: row tiles of 32
-# and 16 sharing each weight tile; down: a program per 16 rows); weight tiles through tensor
-# descriptors (plain loads where the weights' rows are not 16-byte aligned: "unaligned").
+# down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows
+# (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows);
+# weight tiles through tensor descriptors (plain loads where the weights' rows are not
+# 16-byte aligned: "unaligned").
 UNUSUAL = {
     "tiny-split4": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4},
                      "down": {**KERNEL, "block_k": 64}}, 5),

@@ -121,6 +121,14 @@ class LayerShape:
         both. fp8 and mxfp4 stay canonical: their scale blocks span canonical rows."""
         return self.weights in ("bf16", "fp16")
 
+    def down_kind(self, down: KernelConfig) -> str:
+        """Which general-mode down a config runs on this layer: "tiled" (a program per output
+        tile); with n_split, "resident" (bf16/fp16, down_resident_kernel) or "streamed"
+        (other formats, down_kernel walking N tiles)."""
+        if not down.n_split:
+            return "tiled"
+        return "resident" if self.interleaved else "streamed"
+
 
 def resident_k(inter: int) -> tuple[int, int]:
     """down_resident_kernel's two K tiles covering all of I: the largest power of two in I,

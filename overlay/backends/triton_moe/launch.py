@@ -236,7 +236,7 @@ def down(
     """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1).
     n_split > 0: bf16/fp16 the resident down, other formats the streamed down_kernel."""
     cfg = config.down
-    if cfg.n_split and layer.shape.interleaved:
+    if layer.shape.down_kind(cfg) == "resident":
         _down_resident(a, w2, topk_weights, alignment, layer, config, out)
         return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
@@ -278,8 +278,6 @@ def _down_resident(
     config: LaunchConfig, out: torch.Tensor,
 ) -> None:
     cfg = config.down
-    if not layer.shape.interleaved:
-        raise ValueError(f"the resident down reads bf16/fp16 weights, not {layer.shape.weights}")
     k_low, k_high = resident_k(layer.shape.inter)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
     _launch(

@@ -326,10 +326,6 @@ def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig],
     return timed[0] if timed else None
 
 
-def down_kind(cfg: KernelConfig, interleaved: bool) -> str:
-    return f"{'resident' if interleaved else 'streamed'}/{cfg.n_split}" if cfg.n_split else "tiled"
-
-
 def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float, list[str]]:
     """The fastest (block_m, gate/up, down) for one point, its time per call in seconds, and
     the fastest time of each kind of launch tried (for --explain)."""
@@ -344,7 +340,8 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
         gate_up, down = problem.runners(c.block_m)
         by_kind: dict[str, list[KernelConfig]] = {}
         for d in c.down:
-            by_kind.setdefault(down_kind(d, point.shape.interleaved), []).append(d)
+            kind = point.shape.down_kind(d)
+            by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         for split in c.splits:
             gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split],
                           not problem.tiny and point.shape.interleaved)
