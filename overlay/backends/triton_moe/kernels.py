@@ -193,32 +193,56 @@ def _activation_step(a, a_scale_ptrs, rows, W_QUANT: tl.constexpr, FP8: tl.const
 
 @triton.jit
 def quantize_groups_kernel(
-    src_ptr, q_ptr, scale_ptr, limit_ptr, token_scale_ptr, num_rows, cols, stride_src, stride_q, stride_s,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, TOKEN: tl.constexpr, ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
+    src_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, cols, stride_src, stride_q, stride_s,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
 ):
     """q[r, c] and scale[r, g]: _quantize_rows of each row's g-th group of GROUP columns, as the
-    w8a8 main loops would quantise each K step (columns past `cols` count as 0); TOKEN: with
-    the row's own scale (`token_scale[r]`, per-token activations) in every group instead. Rows
-    from `*limit_ptr` on (LIMITED: the aligned buffer's padded row count) are left alone."""
+    w8a8 main loops would quantise each K step (columns past `cols` count as 0). Rows from
+    `*limit_ptr` on (LIMITED: the aligned buffer's padded row count) are left alone."""
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    limit = num_rows
-    if LIMITED:
-        limit = tl.minimum(limit, tl.load(limit_ptr))
+    limit = _row_limit(num_rows, limit_ptr, LIMITED)
     if tl.program_id(0) * ROWS >= limit:
         return
     row_ok = offs_r < limit
     ok = row_ok[:, None] & (offs_c < cols)[None, :]
     rows = offs_r.to(tl.int64)[:, None]
     src = tl.load(src_ptr + rows * stride_src + offs_c[None, :], mask=ok, other=0.0)
-    if TOKEN:
-        scale = tl.load(token_scale_ptr + offs_r, mask=row_ok, other=1.0)
-        q = _quantize_with(src, scale, FP8, FP8_MAX)
-    else:
-        q, scale = _quantize_rows(src, FP8, FP8_MAX)
+    q, scale = _quantize_rows(src, FP8, FP8_MAX)
     tl.store(q_ptr + rows * stride_q + offs_c[None, :], q, mask=ok)
     tl.store(scale_ptr + offs_r.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
+
+
+@triton.jit
+def quantize_tokens_kernel(
+    src_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, cols, stride_src, stride_q, stride_s,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Per-token activations, a program per row: the whole row (BLOCK_C >= cols) in one load,
+    its scale (absmax / fp8 max) and q = row / scale, the scale repeated in each group of
+    GROUP columns (so the GEMMs read it like quantize_groups_kernel's). Rows from
+    `*limit_ptr` on (LIMITED) are left alone."""
+    row = tl.program_id(0)
+    if row >= _row_limit(num_rows, limit_ptr, LIMITED):
+        return
+    offs_c = tl.arange(0, BLOCK_C)
+    ok = offs_c < cols
+    src = tl.load(src_ptr + row.to(tl.int64) * stride_src + offs_c, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(src)) / FP8_MAX, 1e-12)
+    q = tl.clamp(src / scale, -FP8_MAX, FP8_MAX).to(FP8)
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + offs_c, q, mask=ok)
+    offs_g = tl.arange(0, BLOCK_C // GROUP)
+    tl.store(scale_ptr + row.to(tl.int64) * stride_s + offs_g, tl.full([BLOCK_C // GROUP], scale, tl.float32),
+             mask=offs_g < tl.cdiv(cols, GROUP))
+
+
+@triton.jit
+def _row_limit(num_rows, limit_ptr, LIMITED: tl.constexpr):
+    """Rows to quantise: all, or (LIMITED) no more than the device count at `limit_ptr`."""
+    limit = num_rows
+    if LIMITED:
+        limit = tl.minimum(limit, tl.load(limit_ptr))
+    return limit
 
 
 @triton.jit

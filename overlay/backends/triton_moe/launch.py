@@ -343,21 +343,21 @@ def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype, limit: torch.Tens
                     per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 `[rows, cols]`, fp32 scales `[rows, groups]`) of `src`, a dynamic scale per row and
     QUANT_GROUP columns (kernels._quantize_rows), or per_token: the row's scale over all its
-    columns, repeated in each group (so the GEMMs read both alike); rows from `limit` (a
-    device count) on are left unset."""
+    columns, repeated in each group (so the GEMMs read both alike; one launch, a program per
+    row); rows from `limit` (a device count) on are left unset."""
     rows, cols = src.shape
     groups = triton.cdiv(cols, QUANT_GROUP)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=src.device)
     scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
     fp8, fp8_max = _fp8_args(q)
-    token_scale = (src.abs().amax(dim=1).float() / fp8_max).clamp_min(1e-12) if per_token else scale
-    _launch(
-        kernels.quantize_groups_kernel, (triton.cdiv(rows, QUANT_ROWS), groups),
-        src, q, scale, scale if limit is None else limit, token_scale, rows, cols, src.stride(0), q.stride(0),
-        scale.stride(0),
-        FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, TOKEN=per_token, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP,
-        num_warps=4,
-    )
+    args = (src, q, scale, scale if limit is None else limit, rows, cols, src.stride(0), q.stride(0), scale.stride(0))
+    if per_token:
+        block_c = max(triton.next_power_of_2(cols), QUANT_GROUP)
+        _launch(kernels.quantize_tokens_kernel, (rows,), *args, FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None,
+                BLOCK_C=block_c, GROUP=QUANT_GROUP, num_warps=min(16, max(4, block_c // 512)))
+    else:
+        _launch(kernels.quantize_groups_kernel, (triton.cdiv(rows, QUANT_ROWS), groups), *args,
+                FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP, num_warps=4)
     return q, scale
 
 
