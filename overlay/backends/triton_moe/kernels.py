@@ -283,26 +283,23 @@ def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.cons
     return scales
 
 
-E2M1_SMALL_EXP: tl.constexpr = tl.constexpr(14)  # _e2m1_small's values are the codes' times 2^-14
-
-
-@triton.jit
-def _e2m1_small(codes):
-    """fp4 e2m1 codes (int32, 0..15: sign, two exponent bits, one mantissa bit) -> fp32 times
-    2^-E2M1_SMALL_EXP: the bits placed where fp16 keeps sign, exponent and mantissa (exponent
-    0, the codes 0 and 0.5, lands on fp16's subnormals, which convert to fp32 exactly); five
-    integer operations and one conversion a value."""
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+E2M1_SMALL_EXP: tl.constexpr = tl.constexpr(14)  # _mx_products' values are the codes' times 2^-14
 
 
 @triton.jit
 def _mx_products(packed, a_even, a_odd):
     """Packed e2m1 pairs (uint8; even K in the low nibble, odd K in the high one) times the
     activations of the even and odd columns, summed per pair, in units of 2^-E2M1_SMALL_EXP
-    and before the e8m0 scales (_mx_group_sums applies them)."""
-    codes = packed.to(tl.int32)
-    return _e2m1_small(codes & 15) * a_even + _e2m1_small(codes >> 4) * a_odd
+    and before the e8m0 scales (_mx_group_sums applies them). Both codes of a byte are decoded
+    at once into the two halves of one 32-bit word, each where fp16 keeps sign, exponent and
+    mantissa (exponent 0, the codes 0 and 0.5, lands on fp16's subnormals, which convert to
+    fp32 exactly): the byte copied 12 bits up puts the high code at bit 16, then two shifts
+    and two masks place both; each half converts to fp32 as is."""
+    spread = packed.to(tl.int32) * 0x1001
+    bits = ((spread << 9) & 0x0E000E00) | ((spread << 12) & -0x7FFF8000)  # 0x80008000
+    low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low * a_even + high * a_odd
 
 
 @triton.jit
