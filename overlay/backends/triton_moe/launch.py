@@ -7,10 +7,12 @@ call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -38,6 +40,8 @@ ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
 QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
 QUANT_ROWS = 32
+FP8_W_QUANT = {kernels.W_TENSOR.value, kernels.W_CHANNEL.value, kernels.W_BLOCK.value}
+PINGPONG_FAILS_FROM = (3, 8)  # Triton releases whose AMD block-pingpong pass fails on fp8 dots for gfx950
 
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("compile_only", default=False)
@@ -55,10 +59,34 @@ def compile_only() -> Iterator[None]:
 
 
 def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    w_quant = kwargs.get("W_QUANT")  # (Triton's CPU interpreter compiles nothing: no JITFunction there)
+    if (getattr(w_quant, "value", w_quant) in FP8_W_QUANT and isinstance(kernel, triton.runtime.jit.JITFunction)
+            and _block_pingpong_fails(triton.runtime.driver.active.get_current_device())):
+        with triton.knobs.amd.scope():
+            triton.knobs.amd.use_block_pingpong = False
+            _compile_or_run(kernel, grid, args, kwargs)
+    else:
+        _compile_or_run(kernel, grid, args, kwargs)
+
+
+def _compile_or_run(kernel: triton.JITFunction, grid: tuple[int, ...], args: tuple[object, ...],
+                    kwargs: dict[str, object]) -> None:
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
+
+
+@cache
+def _block_pingpong_fails(device: int) -> bool:
+    """Whether fp8 launches on this device compile without Triton's AMD block-pingpong pass:
+    on gfx950 from Triton 3.8 on, that pass fails on the fp8 gate/up kernel ("PassManager::run
+    failed"); 3.6 and 3.7 compile it with the pass. Seen by compiling every kernel for gfx942
+    and gfx950 on a machine without a GPU (tests/test_triton_amd_compile.py). `device` keys
+    the answer: the target is the current device's."""
+    target = triton.runtime.driver.active.get_current_target()
+    version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    return target.backend == "hip" and target.arch == "gfx950" and version >= PINGPONG_FAILS_FROM
 
 
 @dataclass(frozen=True)

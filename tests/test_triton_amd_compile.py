@@ -1,0 +1,153 @@
+"""The Triton MoE kernels compiled for AMD GPUs on a machine without one.
+
+Triton's AMD backend ships in the triton wheel, so each launch the backend makes can be built
+here into AMDGCN for gfx942 (MI300X, MI325X) and gfx950 (MI355X): through the real launcher
+(`launch.compile_only()`), with Triton's active driver standing in for the GPU. This shows that
+the kernels compile for those targets with this Triton and which matrix instructions they use;
+nothing runs, so correctness and speed on AMD hardware are not shown here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends import backends  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+import moe_overlay as mo  # noqa: E402
+from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
+from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
+
+pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
+
+ARCHS = ("gfx942", "gfx950")
+FORMATS = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-channel-token", "mxfp4")
+SPEC = mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0))
+# The matrix instructions of the general-mode gate/up and down kernels (sorted rows, tensor cores),
+# by target and weights: fp8 on MI300's own fp8 (e4m3fnuz) or gfx950's f8f6f4 unit; mxfp4 with
+# 16-bit activations on bf16 units, its e2m1 converted in registers (gfx950: by a conversion
+# instruction that also applies the e8m0 scale).
+MATRIX = {
+    ("gfx942", "bf16"): [r"v_mfma_f32_\w+_bf16"],
+    ("gfx942", "fp8"): [r"v_mfma_f32_\w+_fp8_fp8"],
+    ("gfx942", "mxfp4"): [r"v_mfma_f32_\w+_bf16"],
+    ("gfx950", "bf16"): [r"v_mfma_f32_\w+_bf16"],
+    ("gfx950", "fp8"): [r"v_mfma_f32_\w+_f8f6f4"],
+    ("gfx950", "mxfp4"): [r"v_mfma_f32_\w+_bf16", r"v_cvt_scalef32_pk_bf16_fp4"],
+}
+DOT_KERNELS = ("gate_up_kernel", "down_kernel", "down_resident_kernel")  # tl.dot; the rest: none
+
+
+class AbsentGpu(DriverBase):
+    """Triton's driver for a GPU that is not here: the target to compile for and a device index
+    of its own (Triton keeps compiled kernels per device index); nothing launches."""
+
+    def __init__(self, arch: str, device: int) -> None:
+        self.target = GPUTarget("hip", arch, 64)
+        self.device = device
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        raise NotImplementedError("nothing launches")
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_benchmarker(self) -> None:
+        raise NotImplementedError("nothing is timed")
+
+    def get_current_device(self) -> int:
+        return self.device
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def _launches(weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, tuple[int, launch.LaunchConfig]]:
+    """What the backend launches on an untuned AMD GPU (the default configs, as launch_config
+    gives them), and the other kernels and tilings the tuner can pick."""
+    tiny, general, wide = (launch.launch_config(layer.shape, x.device, m) for m in (1, 64, 1024))
+    runs = {"one token": (1, tiny), "64 tokens": (64, general), "1024 tokens": (1024, wide),
+            "64 tokens, down over N tiles": (64, dataclasses.replace(
+                general, down=dataclasses.replace(general.down, n_split=2)))}
+    if not weights.startswith("fp8"):
+        runs["one token, gemv gate/up"] = (1, dataclasses.replace(
+            tiny, gate_up=dataclasses.replace(tiny.gate_up, gemv=True, block_n=8, num_stages=1)))
+    if layer.shape.interleaved:
+        runs["96 tokens, two row tiles"] = (96, dataclasses.replace(general, block_m=48))
+    return runs
+
+
+def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, str]]:
+    """Every launch of _launches compiled for `arch`: AMDGCN by kernel name, per launch."""
+    spec = with_weights(SPEC, weights)
+    tensors = random_weights(spec, "cpu", seed=0)
+    w13, w2 = tensors["w13"], tensors["w2"]
+    if w13.dtype == torch.float8_e4m3fn and arch == "gfx942":  # the layout step's flavour there
+        w13, w2 = (w.view(torch.uint8).view(torch.float8_e4m3fnuz) for w in (w13, w2))
+    compiled: dict[str, dict[str, str]] = {}
+    driver.set_active(AbsentGpu(arch, device))
+    try:
+        x1 = random_input(1, spec, "cpu", seed=1)
+        layer = launch.Layer.of(x1, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
+                                spec.apply_router_weight_on_input, spec.quant.granularity,
+                                spec.quant.activations == "fp8_token")
+        for name, (m, config) in _launches(weights, layer, x1).items():
+            before = _compiled(device)
+            weights_m, ids = random_routing(m, spec, "cpu", seed=2)
+            with launch.compile_only():
+                launch.fused_experts(layer, random_input(m, spec, "cpu", seed=3), w13, w2, tensors.get("w13_scale"),
+                                     tensors.get("w2_scale"), weights_m, ids, None, config)
+            compiled[name] = {k: v for k, v in _compiled(device).items() if k not in before}
+    finally:
+        driver.set_active(None)
+    return compiled
+
+
+def _compiled(device: int) -> dict[str, str]:
+    """AMDGCN of the kernels compiled so far for `device`, by kernel name and cache key."""
+    out = {}
+    for name in dir(kernels):
+        fn = getattr(kernels, name)
+        if isinstance(fn, triton.runtime.jit.JITFunction) and device in fn.device_caches:
+            for key, kernel in fn.device_caches[device][0].items():
+                out[f"{name} {key}"] = kernel.asm["amdgcn"]
+    return out
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weights):
+    """Each launch compiles, every kernel it would run among them (the sort, the quantisation,
+    both GEMMs in each of their forms, the top-k sum), and each dot kernel uses the matrix
+    instructions of its target and format."""
+    device = 1000 + 100 * ARCHS.index(arch) + FORMATS.index(weights)  # compiled kernels kept apart per test
+    compiled = _compile(arch, device, weights)
+    for launch_name, code in compiled.items():
+        assert code or launch_name == "1024 tokens", f"{launch_name}: nothing new compiled"
+    names = {key.split()[0] for code in compiled.values() for key in code}
+    fp8, per_token = weights.startswith("fp8"), weights == "fp8-channel-token"
+    assert names == {
+        "align_count_kernel", "align_scatter_kernel", "gate_up_kernel", "down_kernel", "down_tiny_kernel",
+        "sum_routes_kernel", *(["quantize_tokens_kernel" if per_token else "quantize_groups_kernel"] if fp8 else []),
+        *([] if fp8 else ["gate_up_gemv_kernel"]), *(["down_resident_kernel"] if weights == "bf16" else [])}
+    expected = MATRIX[(arch, weights.split("-")[0])]
+    for code in compiled.values():
+        for key, gcn in code.items():
+            if key.split()[0] in DOT_KERNELS:
+                for pattern in expected:
+                    assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {key.split()[0]}"
