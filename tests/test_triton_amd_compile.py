@@ -25,10 +25,12 @@ from triton.runtime.driver import driver  # noqa: E402
 import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
+from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
 
 ARCHS = ("gfx942", "gfx950")
+LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}  # a workgroup's shared memory (LDS) at most
 FORMATS = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-channel-token", "mxfp4")
 SPEC = mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0))
 # The matrix instructions of the general-mode gate/up and down kernels (sorted rows, tensor cores),
@@ -77,9 +79,10 @@ class AbsentGpu(DriverBase):
         return 0
 
 
-def _launches(weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, tuple[int, launch.LaunchConfig]]:
+def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, tuple[int, LaunchConfig]]:
     """What the backend launches on an untuned AMD GPU (the default configs, as launch_config
-    gives them), and the other kernels and tilings the tuner can pick."""
+    gives them there: fitted to the target's shared memory), and the other kernels and tilings
+    the tuner can pick, fitted alike."""
     tiny, general, wide = (launch.launch_config(layer.shape, x.device, m) for m in (1, 64, 1024))
     runs = {"one token": (1, tiny), "64 tokens": (64, general), "1024 tokens": (1024, wide),
             "64 tokens, down over N tiles": (64, dataclasses.replace(
@@ -89,11 +92,12 @@ def _launches(weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, t
             tiny, gate_up=dataclasses.replace(tiny.gate_up, gemv=True, block_n=8, num_stages=1)))
     if layer.shape.interleaved:
         runs["96 tokens, two row tiles"] = (96, dataclasses.replace(general, block_m=48))
-    return runs
+    return {name: (m, fit_shared(config, layer.shape, m, LDS_BYTES[arch])) for name, (m, config) in runs.items()}
 
 
-def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, str]]:
-    """Every launch of _launches compiled for `arch`: AMDGCN by kernel name, per launch."""
+def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[str, int]]]:
+    """Every launch of _launches compiled for `arch`: (AMDGCN, shared memory bytes) by kernel
+    name and cache key, per launch."""
     spec = with_weights(SPEC, weights)
     tensors = random_weights(spec, "cpu", seed=0)
     w13, w2 = tensors["w13"], tensors["w2"]
@@ -106,7 +110,7 @@ def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, str]]:
         layer = launch.Layer.of(x1, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
                                 spec.apply_router_weight_on_input, spec.quant.granularity,
                                 spec.quant.activations == "fp8_token")
-        for name, (m, config) in _launches(weights, layer, x1).items():
+        for name, (m, config) in _launches(arch, weights, layer, x1).items():
             before = _compiled(device)
             weights_m, ids = random_routing(m, spec, "cpu", seed=2)
             with launch.compile_only():
@@ -118,14 +122,15 @@ def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, str]]:
     return compiled
 
 
-def _compiled(device: int) -> dict[str, str]:
-    """AMDGCN of the kernels compiled so far for `device`, by kernel name and cache key."""
+def _compiled(device: int) -> dict[str, tuple[str, int]]:
+    """(AMDGCN, shared memory bytes) of the kernels compiled so far for `device`, by kernel
+    name and cache key."""
     out = {}
     for name in dir(kernels):
         fn = getattr(kernels, name)
         if isinstance(fn, triton.runtime.jit.JITFunction) and device in fn.device_caches:
             for key, kernel in fn.device_caches[device][0].items():
-                out[f"{name} {key}"] = kernel.asm["amdgcn"]
+                out[f"{name} {key}"] = (kernel.asm["amdgcn"], kernel.metadata.shared)
     return out
 
 
@@ -133,8 +138,9 @@ def _compiled(device: int) -> dict[str, str]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weights):
     """Each launch compiles, every kernel it would run among them (the sort, the quantisation,
-    both GEMMs in each of their forms, the top-k sum), and each dot kernel uses the matrix
-    instructions of its target and format."""
+    both GEMMs in each of their forms, the top-k sum), each fits the target's LDS (64 KiB on
+    gfx942: the H200-sized defaults do not, fit_shared lowers their stages), and each dot
+    kernel uses the matrix instructions of its target and format."""
     device = 1000 + 100 * ARCHS.index(arch) + FORMATS.index(weights)  # compiled kernels kept apart per test
     compiled = _compile(arch, device, weights)
     for launch_name, code in compiled.items():
@@ -146,8 +152,10 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
         "sum_routes_kernel", *(["quantize_tokens_kernel" if per_token else "quantize_groups_kernel"] if fp8 else []),
         *([] if fp8 else ["gate_up_gemv_kernel"]), *(["down_resident_kernel"] if weights == "bf16" else [])}
     expected = MATRIX[(arch, weights.split("-")[0])]
-    for code in compiled.values():
-        for key, gcn in code.items():
-            if key.split()[0] in DOT_KERNELS:
+    for launch_name, code in compiled.items():
+        for key, (gcn, shared) in code.items():
+            kernel = key.split()[0]
+            assert shared <= LDS_BYTES[arch], f"{arch} {weights} {launch_name}: {kernel} needs {shared} bytes of LDS"
+            if kernel in DOT_KERNELS:
                 for pattern in expected:
-                    assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {key.split()[0]}"
+                    assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel}"

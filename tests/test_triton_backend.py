@@ -12,6 +12,8 @@ import torch
 import moe_overlay as mo
 from moe_overlay.backends.problems import (
     MODELS,
+    TOKEN_COUNTS,
+    WEIGHT_FORMATS,
     bytes_per_expert,
     floor_for,
     random_input,
@@ -388,6 +390,41 @@ def test_shipped_config_files_load_and_cover_the_four_models():
     for device, shapes in table.items():
         keys = {configs.LayerShape.of(m.spec).key for m in MODELS}
         assert keys <= set(shapes), f"{device} lacks tuned entries for {keys - set(shapes)}"
+
+
+H200_SHARED = 232448  # shared_memory_per_block_optin of an H200 (227 KiB)
+GFX942_SHARED = 64 * 1024
+
+
+def test_shipped_h200_entries_already_fit_the_h200():
+    """Tuned entries were tuned within the chip's shared memory: fitting them changes nothing."""
+    for device, shapes in configs.load_table(sorted(configs.SHIPPED_DIR.glob("*.json"))).items():
+        for key, buckets in shapes.items():
+            shape = next(configs.LayerShape.of(with_weights(m.spec, w)) for m in MODELS for w in WEIGHT_FORMATS
+                         if configs.LayerShape.of(with_weights(m.spec, w)).key == key)
+            for bucket in buckets:
+                config = configs._launch_config("", device, 0, shape, int(bucket))
+                assert configs.fit_shared(config, shape, int(bucket), H200_SHARED) == config, (device, key, bucket)
+
+
+def test_launches_are_fitted_to_a_64_kib_gpu_by_fewer_stages():
+    """gfx942's 64 KiB: the defaults (sized for 227 KiB) lose pipeline stages until their tiles
+    fit, down to one; nothing else changes. tests/test_triton_amd_compile.py compiles them for
+    gfx942 and checks the LDS they really use."""
+    lowered = 0
+    for m in MODELS:
+        for weights in ("bf16", "fp8-block", "mxfp4"):
+            shape = configs.LayerShape.of(with_weights(m.spec, weights))
+            for tokens in TOKEN_COUNTS:
+                big = configs._launch_config("", "no such device", 0, shape, tokens)
+                small = configs._launch_config("", "no such device", GFX942_SHARED, shape, tokens)
+                assert replace(small, gate_up=replace(small.gate_up, num_stages=big.gate_up.num_stages),
+                               down=replace(small.down, num_stages=big.down.num_stages)) == big
+                for gemm, used in configs.shared_bytes(small, shape, tokens).items():
+                    cfg = getattr(small, gemm)
+                    assert used <= GFX942_SHARED or cfg.num_stages == 1, (m.name, weights, tokens, cfg)
+                lowered += small != big
+    assert lowered >= 10
 
 
 # -- the tuner's plan ---------------------------------------------------------------------------

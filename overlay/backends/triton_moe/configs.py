@@ -82,6 +82,55 @@ def down_tile(block_m: int) -> int:
     return row_tiles(block_m)[1] or block_m
 
 
+def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int) -> int:
+    """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows and
+    `b_tiles` weight tiles of BLOCK_K, at two bytes a value (fp8 and packed mxfp4 take less)."""
+    return (rows + b_tiles * cfg.block_n) * cfg.block_k * 2
+
+
+def resident_bytes(rows: int, cfg: KernelConfig) -> int:
+    """down_resident_kernel's shared memory: the activation block and num_stages weight tiles,
+    each of all of I (cfg.block_k), at two bytes a value."""
+    return (rows + cfg.num_stages * cfg.block_n) * cfg.block_k * 2
+
+
+@cache
+def device_shared_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on `device` (0 where there is no GPU: no limit)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 64 * 1024
+
+
+def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int) -> dict[str, int]:
+    """Shared memory each GEMM of a launch keeps its pipelined tiles in, by "gate_up" and
+    "down" (stage_bytes, resident_bytes); the gemv gate/up and tiny mode's down keep none."""
+    used = {}
+    if not config.gate_up.gemv:
+        used["gate_up"] = config.gate_up.num_stages * stage_bytes(config.block_m, config.gate_up, 2)
+    if not is_tiny(num_tokens, shape.top_k):
+        rows = down_tile(config.block_m)
+        used["down"] = (resident_bytes(rows, config.down) if shape.down_kind(config.down) == "resident"
+                        else config.down.num_stages * stage_bytes(rows, config.down, 1))
+    return used
+
+
+def fit_shared(config: LaunchConfig, shape: LayerShape, num_tokens: int, smem_bytes: int) -> LaunchConfig:
+    """`config` with each GEMM's num_stages lowered (to 1 at least) until its tiles fit
+    `smem_bytes` (0: as it is). The tuner offers only what fits; this is for the defaults and
+    for entries from other devices: gfx942 has 64 KiB, against 227 KiB on an H200, and a
+    kernel over its device's limit does not launch."""
+    if not smem_bytes:
+        return config
+    for gemm, used in shared_bytes(config, shape, num_tokens).items():
+        while used > smem_bytes and getattr(config, gemm).num_stages > 1:
+            cfg = getattr(config, gemm)
+            config = replace(config, **{gemm: replace(cfg, num_stages=cfg.num_stages - 1)})
+            used = shared_bytes(config, shape, num_tokens)[gemm]
+    return config
+
+
 def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:
     """bf16, fp16, fp8-<granularity> for fp8 weights, or mxfp4 (packed into uint8)."""
     if fp8_granularity:
@@ -220,7 +269,7 @@ def lookup(table: Table, device: str, shape: LayerShape, num_tokens: int) -> tup
 
 
 @lru_cache(maxsize=4096)
-def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: int) -> LaunchConfig:
+def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShape, num_tokens: int) -> LaunchConfig:
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
@@ -236,13 +285,14 @@ def _launch_config(user_env: str, device: str, shape: LayerShape, num_tokens: in
                                          descriptors=config.gate_up.descriptors and shape.fp8),
                          down=replace(config.down, block_k=down_k,
                                       descriptors=config.down.descriptors and shape.fp8))
-    return config
+    return fit_shared(config, shape, num_tokens, smem_bytes)
 
 
 def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> LaunchConfig:
     """The launch for a call: the current table's entry with the rules every launch obeys,
-    remembered (it is asked on every call of the layer)."""
-    return _launch_config(os.environ.get(USER_FILES_ENV, ""), device_name(device), shape, num_tokens)
+    fitted to the device's shared memory, remembered (it is asked on every call of the layer)."""
+    return _launch_config(os.environ.get(USER_FILES_ENV, ""), device_name(device), device_shared_bytes(device), shape,
+                          num_tokens)
 
 
 def is_tuned(table: Table, device: str, shape: LayerShape) -> bool:

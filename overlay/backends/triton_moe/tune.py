@@ -28,11 +28,14 @@ from .configs import (
     LaunchConfig,
     LayerShape,
     default_config,
+    device_shared_bytes,
     down_tile,
     is_tiny,
     merge,
     read_file,
+    resident_bytes,
     resident_k,
+    stage_bytes,
 )
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
@@ -105,9 +108,8 @@ def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
 
 def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> bool:
     """Shared memory of the pipelined operand tiles, and accumulator registers per thread."""
-    stage = (block_m + b_tiles * cfg.block_n) * cfg.block_k * 2
     regs = b_tiles * block_m * cfg.block_n // (32 * cfg.num_warps)
-    return cfg.num_stages * stage <= smem_bytes and regs <= REG_BUDGET
+    return cfg.num_stages * stage_bytes(block_m, cfg, b_tiles) <= smem_bytes and regs <= REG_BUDGET
 
 
 def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> list[KernelConfig]:
@@ -148,9 +150,10 @@ def resident_down_candidates(block_m: int, interleaved: bool, inter: int, smem_b
     if not interleaved or inter > RESIDENT_MAX_I:
         return []
     k = sum(resident_k(inter))
-    return [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
-            for split in (1, 2, 4)
-            if (block_m + s * n) * k * 2 <= smem_bytes and block_m * n // (32 * w) <= REG_BUDGET]
+    grid = [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
+            for split in (1, 2, 4)]
+    return [c for c in grid
+            if resident_bytes(block_m, c) <= smem_bytes and block_m * c.block_n // (32 * c.num_warps) <= REG_BUDGET]
 
 
 def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> list[KernelConfig]:
@@ -369,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         print("moe-overlay tune needs a CUDA or ROCm GPU")
         return 1
     device = torch.cuda.get_device_name()
-    smem = getattr(torch.cuda.get_device_properties(), "shared_memory_per_block_optin", 0) or 64 * 1024
+    smem = device_shared_bytes(torch.device("cuda", torch.cuda.current_device()))
     out = args.out or Path(f"moe-overlay-triton-{device.replace(' ', '_')}.json")
     points = points_from_args(args)
     plan = [(p, candidates(p, smem)) for p in points]
