@@ -168,8 +168,14 @@ def _grid_position(pid, num_blocks_m, n, BLOCK_N: tl.constexpr, GROUP_M: tl.cons
 def _quantize_rows(a, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Dynamic fp8 quantisation of each row of `a` (one 128-wide activation group)."""
     a = a.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX, 1e-12)
+    scale = _scale_of(tl.max(tl.abs(a), axis=1), FP8_MAX)
     return _quantize_with(a, scale, FP8, FP8_MAX), scale
+
+
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr):
+    """A dynamic fp8 scale: absmax / fp8 max, floored (an all-zero group divides by it)."""
+    return tl.maximum(amax / FP8_MAX, 1e-12)
 
 
 @triton.jit
@@ -228,7 +234,7 @@ def quantize_tokens_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     ok = offs_c < cols
     src = tl.load(src_ptr + row.to(tl.int64) * stride_src + offs_c, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(src)) / FP8_MAX, 1e-12)
+    scale = _scale_of(tl.max(tl.abs(src)), FP8_MAX)
     q = tl.clamp(src / scale, -FP8_MAX, FP8_MAX).to(FP8)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + offs_c, q, mask=ok)
     offs_g = tl.arange(0, BLOCK_C // GROUP)
@@ -753,7 +759,7 @@ def down_tiny_kernel(
             a = _tiny_activation(partial_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter,
                                  stride_ps, stride_pr, beta, linear_beta, ACTIVATION, SPLITS)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
-        token_scale = tl.maximum(amax / FP8_MAX, 1e-12)
+        token_scale = _scale_of(amax, FP8_MAX)
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
     if W_QUANT == W_MXFP4:
         scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
