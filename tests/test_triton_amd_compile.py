@@ -26,6 +26,7 @@ import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
+from moe_overlay.layout import to_layout  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
 
@@ -99,11 +100,10 @@ def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[
     """Every launch of _launches compiled for `arch`: (AMDGCN, shared memory bytes) by kernel
     name and cache key, per launch."""
     spec = with_weights(SPEC, weights)
-    tensors = random_weights(spec, "cpu", seed=0)
+    layout = mo.get_backend("triton").layout_for(spec, mo.Platform("cuda", "amd", arch))  # e4m3fnuz on gfx942
+    tensors = to_layout(random_weights(spec, "cpu", seed=0), spec, layout)
     w13, w2 = tensors["w13"], tensors["w2"]
-    if w13.dtype == torch.float8_e4m3fn and arch == "gfx942":  # the layout step's flavour there
-        w13, w2 = (w.view(torch.uint8).view(torch.float8_e4m3fnuz) for w in (w13, w2))
-    compiled: dict[str, dict[str, str]] = {}
+    compiled: dict[str, dict[str, tuple[str, int]]] = {}
     driver.set_active(AbsentGpu(arch, device))
     try:
         x1 = random_input(1, spec, "cpu", seed=1)
