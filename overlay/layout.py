@@ -35,6 +35,7 @@ class Layout:
     shuffle: tuple[int, int] | None = None  # (N tile, K tile) of a tile shuffle, e.g. AITER's (16, 16)
     transposed: bool = False  # weights stored [E, K, N]; scales stay canonical
     mx_scale_shuffle: bool = False  # mxfp4 e8m0 scales in 32-row x 8-group tiles (see shuffle_mx_scales)
+    mx_words: bool = False  # mxfp4 e2m1 recoded into int32 words, 16 rows x 64 K together (see mx_words)
 
     def __post_init__(self) -> None:
         if self.gate_up not in GATE_UP_ORDERS:
@@ -62,6 +63,8 @@ class Layout:
             parts.append("transposed")
         if self.mx_scale_shuffle:
             parts.append("mx-scale-shuffle")
+        if self.mx_words:
+            parts.append("mx-words")
         return "/".join(parts)
 
 
@@ -238,6 +241,105 @@ def _shuffle_mx(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tens
     return out
 
 
+# mx_words: a word (int32) holds 8 e2m1 values of one row: those at K = 32c + 16h + 8q + 2t + p
+# of word 4c + t of the row's K/8, placed for output pair j = q + 2h, half p (bits + 16p):
+# sign at MX_WORD_SIGN[j], the 3-bit magnitude (exponent and mantissa) from MX_WORD_MAG[j] up.
+# The Triton kernels get bf16 pair j with one shift and mask where the bits lie at (15, 6..8):
+# a bf16 whose lowest exponent bits hold e2m1's exponent is the value times 2^-126 (code 0.5
+# lands on a subnormal), which one multiply by the e8m0 scale times 2^126 finishes.
+MX_WORD_SIGN = (15, 12, 13, 14)
+MX_WORD_MAG = (6, 3, 0, 9)
+MX_WORD_ROWS = 16  # rows whose 64-K chunks (8 words each) are stored together: 512 contiguous bytes
+MX_WORD_K = 64
+MX_WORD_MAX_SCALE = E8M0_BIAS + 1  # the decode's bf16 multiplier 2^(s - 1) holds s <= 128 (scales <= 2)
+_MX_WORD_EXPERTS = 16  # experts recoded at a time (int64 temporaries)
+
+
+def _mx_word_view(shape: torch.Size, name: str) -> tuple[int, ...]:
+    e, n, words = shape
+    if n % MX_WORD_ROWS or (words * 8) % MX_WORD_K:
+        raise SpecError(f"mx_words needs rows % {MX_WORD_ROWS} == 0 and K % {MX_WORD_K} == 0; "
+                        f"{name} has {n} rows and K {words * 8}")
+    return (e, n // MX_WORD_ROWS, MX_WORD_ROWS, words * 8 // MX_WORD_K, MX_WORD_K // 8)
+
+
+def _codes_to_words(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes `[E, N, K]` (int64) -> words `[E, N, K/8]` (int32), rows in order."""
+    e, n, k = codes.shape
+    c = codes.view(e, n, k // 32, 2, 2, 4, 2)  # K = 32c + 16h + 8q + 2t + p
+    word = torch.zeros(e, n, k // 32, 4, dtype=torch.int64, device=codes.device)
+    for h in range(2):
+        for q in range(2):
+            j = q + 2 * h
+            for p in range(2):
+                v = c[:, :, :, h, q, :, p]
+                word |= ((v >> 3) << (MX_WORD_SIGN[j] + 16 * p)) | ((v & 7) << (MX_WORD_MAG[j] + 16 * p))
+    return (word - (word >> 31 << 32)).to(torch.int32).view(e, n, k // 8)
+
+
+def _words_to_codes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of _codes_to_words: int64 codes `[E, N, K]`."""
+    e, n, count = words.shape
+    w = words.to(torch.int64).view(e, n, count // 4, 4) & 0xFFFFFFFF
+    codes = torch.empty(e, n, count // 4, 2, 2, 4, 2, dtype=torch.int64, device=words.device)
+    for h in range(2):
+        for q in range(2):
+            j = q + 2 * h
+            for p in range(2):
+                sign = (w >> (MX_WORD_SIGN[j] + 16 * p)) & 1
+                codes[:, :, :, h, q, :, p] = (sign << 3) | ((w >> (MX_WORD_MAG[j] + 16 * p)) & 7)
+    return codes.view(e, n, count * 8)
+
+
+def mx_words(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical mxfp4 `[E, N, K/2]` uint8 (low nibble even K) -> int32 `[E, N, K/8]` words (see
+    MX_WORD_SIGN), each 16 rows' 64-K chunks stored together: `[E, N/16, K/64, 16, 8]` in memory."""
+    e, n, half = packed.shape
+    view = _mx_word_view(torch.Size((e, n, half // 4)), "the weight")
+    out = torch.empty(e, n, half // 4, dtype=torch.int32, device=packed.device)
+    for first in range(0, e, _MX_WORD_EXPERTS):
+        part = packed[first:first + _MX_WORD_EXPERTS].to(torch.int64)
+        codes = torch.stack([part & 0xF, part >> 4], dim=-1).flatten(-2)
+        words = _codes_to_words(codes).view(-1, *view[1:])
+        out[first:first + _MX_WORD_EXPERTS] = words.permute(0, 1, 3, 2, 4).reshape(-1, n, half // 4)
+    return out
+
+
+def mx_unwords(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `mx_words`."""
+    e, n, count = words.shape
+    view = _mx_word_view(words.shape, "the weight")
+    out = torch.empty(e, n, count * 4, dtype=torch.uint8, device=words.device)
+    for first in range(0, e, _MX_WORD_EXPERTS):
+        part = words[first:first + _MX_WORD_EXPERTS]
+        rows = part.reshape(-1, view[1], view[3], view[2], view[4]).permute(0, 1, 3, 2, 4).reshape(-1, n, count)
+        codes = _words_to_codes(rows)
+        out[first:first + _MX_WORD_EXPERTS] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return out
+
+
+def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
+    """mxfp4 weights as `mx_words` (scales stay canonical); refused, naming the tensor, where a
+    scale exceeds what the decode's multiplier holds."""
+    if not enabled:
+        return t
+    if spec.quant.weights != "mxfp4":
+        raise SpecError(f"mx_words applies to mxfp4 weights, not {spec.quant}")
+    out = dict(t)
+    for name in ("w13", "w2"):
+        if inverse:
+            out[name] = mx_unwords(t[name])
+            continue
+        _mx_word_view(torch.Size((t[name].shape[0], t[name].shape[1], t[name].shape[2] // 4)), name)
+        largest = int(t[f"{name}_scale"].max())
+        if largest > MX_WORD_MAX_SCALE:
+            raise SpecError(
+                f"{name}_scale holds e8m0 {largest} (2^{largest - E8M0_BIAS}); the mx_words layout decodes "
+                f"scales up to 2^{MX_WORD_MAX_SCALE - E8M0_BIAS}: use a backend that keeps canonical mxfp4")
+        out[name] = mx_words(t[name])
+    return out
+
+
 def _transpose(t: Tensors, enabled: bool) -> Tensors:
     if not enabled:
         return t
@@ -251,6 +353,7 @@ def _steps(spec: MoESpec, layout: Layout) -> list[Callable[[Tensors, bool], Tens
         lambda t, inv: _reorder_gate_up(t, spec, layout.gate_up, inv),
         lambda t, inv: _shuffle(t, layout.shuffle, inv),
         lambda t, inv: _shuffle_mx(t, spec, layout.mx_scale_shuffle, inv),
+        lambda t, inv: _mx_recode(t, spec, layout.mx_words, inv),
         lambda t, inv: _transpose(t, layout.transposed),
     ]
 

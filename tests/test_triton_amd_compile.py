@@ -19,7 +19,6 @@ triton = pytest.importorskip("triton")
 
 from triton.backends import backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.driver import DriverBase  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 import moe_overlay as mo  # noqa: E402
@@ -27,6 +26,7 @@ from moe_overlay.backends.problems import random_input, random_routing, random_w
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
 from moe_overlay.layout import to_layout  # noqa: E402
+from tests.absent_gpu import AbsentGpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
 
@@ -47,37 +47,6 @@ MATRIX = {
     ("gfx950", "mxfp4"): [r"v_mfma_f32_\w+_bf16", r"v_cvt_scalef32_pk_bf16_fp4"],
 }
 DOT_KERNELS = ("gate_up_kernel", "down_kernel", "down_resident_kernel")  # tl.dot; the rest: none
-
-
-class AbsentGpu(DriverBase):
-    """Triton's driver for a GPU that is not here: the target to compile for and a device index
-    of its own (Triton keeps compiled kernels per device index); nothing launches."""
-
-    def __init__(self, arch: str, device: int) -> None:
-        self.target = GPUTarget("hip", arch, 64)
-        self.device = device
-
-    @classmethod
-    def is_active(cls) -> bool:
-        return False
-
-    def map_python_to_cpp_type(self, ty: str) -> str:
-        raise NotImplementedError("nothing launches")
-
-    def get_current_target(self) -> GPUTarget:
-        return self.target
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def get_benchmarker(self) -> None:
-        raise NotImplementedError("nothing is timed")
-
-    def get_current_device(self) -> int:
-        return self.device
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
 
 
 def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, tuple[int, LaunchConfig]]:
@@ -104,7 +73,7 @@ def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[
     tensors = to_layout(random_weights(spec, "cpu", seed=0), spec, layout)
     w13, w2 = tensors["w13"], tensors["w2"]
     compiled: dict[str, dict[str, tuple[str, int]]] = {}
-    driver.set_active(AbsentGpu(arch, device))
+    driver.set_active(AbsentGpu(GPUTarget("hip", arch, 64), device))
     try:
         x1 = random_input(1, spec, "cpu", seed=1)
         layer = launch.Layer.of(x1, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),

@@ -36,8 +36,8 @@ from moe_overlay.backends.triton_moe.tune import (
     points_from_args,
 )
 from moe_overlay.cli import build_parser
-from moe_overlay.layout import to_canonical, to_layout
-from moe_overlay.quant import quantize_fp8
+from moe_overlay.layout import mx_unwords, mx_words, to_canonical, to_layout
+from moe_overlay.quant import dequantize_mxfp4, quantize_fp8
 
 H100 = mo.Platform("cuda", "nvidia", "sm_90")
 SPEC = mo.MoESpec(8, 256, 128, 2)
@@ -134,6 +134,74 @@ def test_layout_interleaves_bf16_gate_up_and_keeps_fp8_canonical_except_on_mi300
     assert torch.equal(back["w2"].view(torch.int8), w2.view(torch.int8).masked_fill(w2.view(torch.int8) == -128, 0))
 
 
+MXFP4 = mo.QuantSpec("mxfp4")
+KIMI_MXFP4 = mo.MoESpec(896, 3584, 384, 16, mo.Activation.situ(), quant=MXFP4)
+
+
+@pytest.mark.parametrize(("spec", "platform", "words"), [
+    (KIMI_MXFP4, H100, True),
+    (replace(KIMI_MXFP4, dtype=torch.float16), H100, False),  # the decode makes bf16
+    (KIMI_MXFP4, mo.Platform("cuda", "amd", "gfx942"), False),  # ROCm: tl.dot_scaled on packed bytes
+    (KIMI_MXFP4, mo.Platform("cuda", "amd", "gfx950"), False),
+    (mo.MoESpec(8, 224, 128, 2, quant=MXFP4), H100, False),  # gate/up's K (H) not whole 64-value chunks
+    (mo.MoESpec(8, 256, 96, 2, quant=MXFP4), H100, False),  # down's K (I) neither
+    (mo.MoESpec(8, 256, 128, 2, quant=MXFP4), H100, True),
+])
+def test_mxfp4_is_recoded_into_words_for_bf16_on_nvidia_only(spec, platform, words):
+    assert TRITON.layout_for(spec, platform) == (mo.Layout("triton", mx_words=True) if words else mo.CANONICAL)
+
+
+def _kernel_decode(words: torch.Tensor) -> torch.Tensor:
+    """The kernels' decode of mx_words (_mx_word_offsets, _mx_decode) in torch, with scale 2^0:
+    each word's four bf16 pairs by one shift and mask (two for pairs 2 and 3), read as bf16
+    and times 2^126."""
+    e, n, count = words.shape
+    k = count * 8
+    r = torch.arange(n)[:, None]
+    kw = torch.arange(count)[None, :]
+    offsets = (r // 16) * (16 * count) + (kw // 8) * 128 + (r % 16) * 8 + kw % 8
+    w = words.reshape(e, -1)[:, offsets].to(torch.int64) & 0xFFFFFFFF  # [E, N, K/8] in row order
+    both, sign, mag = 0x81C081C0, 0x80008000, 0x01C001C0
+    pairs = [w & both, (w << 3) & both, ((w << 2) & sign) | ((w << 6) & mag), ((w << 1) & sign) | ((w >> 3) & mag)]
+    out = torch.empty(e, n, k // 32, 2, 2, 4, 2)  # K = 32c + 16h + 8q + 2t + p
+    for j, pair in enumerate(pairs):
+        for p in range(2):
+            bits = ((pair >> (16 * p)) & 0xFFFF).to(torch.int16)
+            value = bits.view(torch.bfloat16).float() * 2.0**126
+            out[:, :, :, j // 2, j % 2, :, p] = value.view(e, n, k // 32, 4)
+    return out.view(e, n, k)
+
+
+def test_mx_words_hold_every_code_and_read_back_exactly():
+    """Every e2m1 code in every position: the kernels' shifts and masks give the canonical
+    values, mx_unwords the canonical bytes, and 16 rows' 64-K chunks lie together (512 bytes)."""
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 48, 128), dtype=torch.uint8, generator=gen)
+    words = mx_words(packed)
+    assert words.dtype == torch.int32 and words.shape == (3, 48, 32)
+    ones = torch.full((3, 48, 8), 127, dtype=torch.uint8)
+    assert torch.equal(_kernel_decode(words), dequantize_mxfp4(packed, ones))
+    assert torch.equal(mx_unwords(words), packed)
+    changed = packed.clone()
+    changed[:, 1, :32] ^= 0xFF  # row 1's first 64 values: the 8 words after row 0's
+    moved = (mx_words(changed) != words).reshape(3, -1).any(0).nonzero().flatten()
+    assert moved.tolist() == list(range(8, 16))
+
+
+def test_mx_words_round_trip_through_the_layout_and_refuse_scales_the_decode_cannot_hold():
+    spec = mo.MoESpec(4, 128, 64, 2, quant=MXFP4)
+    tensors = random_weights(spec, "cpu", seed=0)
+    layout = mo.Layout("triton", mx_words=True)
+    words = to_layout(tensors, spec, layout)
+    assert words["w13"].dtype == torch.int32 and words["w13"].shape == (4, 128, 16)
+    assert torch.equal(words["w13_scale"], tensors["w13_scale"])
+    back = to_canonical(words, spec, layout)
+    assert all(torch.equal(back[name], tensors[name]) for name in tensors)
+    tensors["w2_scale"][2, 5, 1] = 129  # 2^2: the bf16 multiplier 2^(s - 1) would overflow
+    with pytest.raises(mo.SpecError, match=r"w2_scale holds e8m0 129 \(2\^2\).*up to 2\^1"):
+        to_layout(tensors, spec, layout)
+
+
 def test_kernel_name_and_tuned_state_off_gpu():
     assert "moe_overlay::triton_experts" in TRITON.kernel_name(SPEC)
     assert TRITON.is_tuned(SPEC, mo.Platform("cpu", "cpu")) is None
@@ -227,7 +295,7 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     shape = configs.LayerShape(8, 256, 128, 2, "mxfp4")
     assert shape.key.endswith("-mxfp4") and not shape.interleaved and not shape.fp8
     spec = mo.MoESpec(8, 256, 128, 2, quant=mo.QuantSpec("mxfp4"))
-    assert configs.LayerShape.of(spec) == shape and TRITON.layout_for(spec, H100) == mo.CANONICAL
+    assert configs.LayerShape.of(spec) == shape
     entry = {"block_m": 48, "gate_up": {**_entry(48)["gate_up"], "block_k": 32, "descriptors": True, "gemv": True},
              "down": {**_entry(48)["down"], "block_k": 256, "n_split": 2, "descriptors": True}}
     table = {"cpu": {shape.key: {"512": entry}}}

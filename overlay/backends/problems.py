@@ -91,8 +91,10 @@ def random_weights(
 
 
 def empty_weights(spec: MoESpec, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Canonical tensors of the right shapes and dtypes, unfilled: for work that reads none."""
-    return {name: torch.empty(shape, dtype=spec.dtype if spec.dtype in dtypes else dtypes[0], device=device)
+    """Canonical tensors of the right shapes and dtypes, unfilled (scales zeroed, as layout steps
+    read them): for work that reads none."""
+    return {name: (torch.zeros if name.endswith("_scale") else torch.empty)(
+                shape, dtype=spec.dtype if spec.dtype in dtypes else dtypes[0], device=device)
             for name, (shape, dtypes) in canonical_shapes(spec).items()}
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ...backend import Backend, Platform, register_backend
 from ...errors import MoEInputError
-from ...layout import CANONICAL, Layout
+from ...layout import CANONICAL, MX_WORD_K, MX_WORD_ROWS, Layout
 from ...quant import FNUZ_ARCHS, native_fp8_format
 from ...spec import MoESpec
 from . import op  # noqa: F401  (registers torch.ops.moe_overlay.triton_experts)
@@ -77,8 +77,13 @@ class TritonBackend(Backend):
         # [E, N, K] with K contiguous, as canonical: what wgmma (fp8 needs exactly that) and
         # MFMA read best. bf16/fp16 gate and up rows are interleaved, so one dot computes both;
         # fp8 stays canonical, only its flavour changes: MI300's hardware fp8 is e4m3fnuz.
+        # mxfp4 with bf16 activations on NVIDIA: recoded words (layout.mx_words), decoded by
+        # shifts and masks, 512 contiguous bytes a K step of 16 rows (measured on an H200:
+        # docs/performance.md); ROCm keeps canonical bytes for tl.dot_scaled (gfx950's fp4 MFMA).
         if LayerShape.of(spec).interleaved:
             return Layout("triton", gate_up="interleaved")
+        if spec.quant.weights == "mxfp4" and _mx_words_fit(spec, platform):
+            return Layout("triton", mx_words=True)
         native = native_fp8_format(platform.arch or "")
         if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and native == "e4m3fnuz":
             return Layout("triton", fp8_format="e4m3fnuz")
@@ -111,6 +116,14 @@ class TritonBackend(Backend):
             return None
         device = device_name(torch.device("cuda", torch.cuda.current_device()))
         return is_tuned(current_table(), device, LayerShape.of(spec))
+
+
+def _mx_words_fit(spec: MoESpec, platform: Platform) -> bool:
+    """Whether an mxfp4 layer runs from recoded words: bf16 activations on NVIDIA, and rows and
+    K of both weights whole word groups."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    return (platform.vendor == "nvidia" and spec.dtype == torch.bfloat16
+            and all(n % MX_WORD_ROWS == 0 and k % MX_WORD_K == 0 for n, k in ((2 * i, h), (h, i))))
 
 
 register_backend(TritonBackend())

@@ -9,7 +9,10 @@ stay packed (`[E, N, K/2]` uint8, scales `[E, N, K/32]` e8m0): each weight tile 
 `tl.dot_scaled`, which on GPUs without fp4 matrix units (Hopper, MI300) dequantises it in
 registers to the activations' 16-bit type inside the main loop; the matrix-vector products
 (down_tiny_kernel, and gate_up_gemv_kernel when tuned so) decode e2m1 themselves
-(_mx_products) and scale each 32-wide group's sum once.
+(_mx_products) and scale each 32-wide group's sum once. On NVIDIA with bf16 activations mxfp4
+comes recoded instead (MX_WORDS: layout.mx_words, int32 words of 8 values whose bits a shift
+and a mask put in place, 16 rows' K steps stored together), decoded by _mx_decode for every
+kernel.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
 - general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of
@@ -36,6 +39,8 @@ W_BLOCK: tl.constexpr = tl.constexpr(3)
 W_MXFP4: tl.constexpr = tl.constexpr(4)  # w4a16: e2m1 pairs packed along K, an e8m0 scale per 32 (not w8a8)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation groups are 128 wide
 MX_GROUP: tl.constexpr = tl.constexpr(32)  # mxfp4: K values per e8m0 scale
+MX_WORD_ROWS: tl.constexpr = tl.constexpr(16)  # mx_words: rows stored together (layout.MX_WORD_ROWS)
+MX_WORD_CHUNK: tl.constexpr = tl.constexpr(8)  # mx_words: words of a row per 64-K chunk (layout.MX_WORD_K / 8)
 
 
 # Arguments that change with the number of tokens are not specialised on, so one compiled
@@ -252,12 +257,17 @@ def _row_limit(num_rows, limit_ptr, LIMITED: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr):
+def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr,
+              MX_WORDS: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
     `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
-    (A_FMT, bf16 or fp16). `b_scale` is _step_scales'."""
+    (A_FMT, bf16 or fp16), or (MX_WORDS) _mx_word_offsets' words `[N, BLOCK_K / 32, 4]`, decoded
+    and multiplied weight first, so that the decoded tile is wgmma's register operand (what
+    Triton does for tl.dot_scaled). `b_scale` is _step_scales'."""
     if W_QUANT == W_NONE:
         acc = tl.dot(a, b, acc)
+    elif W_QUANT == W_MXFP4 and MX_WORDS:
+        acc = tl.trans(tl.dot(_mx_decode(b, b_scale), tl.trans(a), tl.trans(acc)))
     elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
         acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
     elif W_QUANT == W_BLOCK and ONE_SCALE:  # a scale per row this K step: one multiply-add per element
@@ -320,6 +330,50 @@ def _mx_group_sums(products, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 def _e8m0_to_f32(scale):
     """e8m0 (uint8 exponent, bias 127) -> fp32 2^(s - 127), by placing it in the exponent field."""
     return (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_word_offsets(rows, k, cols, BLOCK_K: tl.constexpr):
+    """(offsets in words, K mask) of K step `k`'s mx_words of weight rows `rows` (`cols` K
+    values a row), `[rows, BLOCK_K / 32, 4]`: word (c, t) holds the step's values at K =
+    32c + 16h + 8q + 2t + p; a group of MX_WORD_ROWS rows keeps its 64-K chunks together."""
+    kw = k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 32)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    r = rows[:, None, None]
+    group = (r // MX_WORD_ROWS) * (MX_WORD_ROWS * (cols // 8))
+    chunk = (kw // MX_WORD_CHUNK) * (MX_WORD_ROWS * MX_WORD_CHUNK)
+    offsets = group + chunk + (r % MX_WORD_ROWS) * MX_WORD_CHUNK + kw % MX_WORD_CHUNK
+    return offsets, kw < cols // 8
+
+
+@triton.jit
+def _mx_decode(words, scales):
+    """bf16 `[rows, BLOCK_K]` weights, K in order, of _mx_word_offsets' words times their e8m0
+    `scales` (`[rows, BLOCK_K / 32]` uint8, at most 2^1: layout.MX_WORD_MAX_SCALE). A word's
+    four bf16 pairs are its bits shifted and masked into place (layout.MX_WORD_SIGN): e2m1's
+    exponent in bf16's lowest exponent bits is the value times 2^-126 (code 0.5 a subnormal),
+    which one multiply by 2^(s - 1), the scale times 2^126, makes exact."""
+    scale = ((scales.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    scale = tl.broadcast_to(scale[:, :, None], words.shape)
+    both: tl.constexpr = -0x7E3F7E40  # 0x81C081C0: sign and magnitude of both halves
+    sign: tl.constexpr = -0x7FFF8000  # 0x80008000
+    mag: tl.constexpr = 0x01C001C0
+    l0, h0 = _bf16_halves(words & both, scale)
+    l1, h1 = _bf16_halves((words << 3) & both, scale)
+    l2, h2 = _bf16_halves(((words << 2) & sign) | ((words << 6) & mag), scale)
+    l3, h3 = _bf16_halves(((words << 1) & sign) | ((words >> 3) & mag), scale)
+    # pair j = q + 2h, half p: [rows, C, T, P, Q, H] -> [rows, C, H, Q, T, P], K = 32c + 16h + 8q + 2t + p
+    half0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
+    half1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
+    full = tl.permute(tl.join(half0, half1), (0, 1, 5, 4, 2, 3))
+    return tl.reshape(full, [words.shape[0], words.shape[1] * MX_GROUP])
+
+
+@triton.jit
+def _bf16_halves(pair, scale):
+    """The two bf16 of a 32-bit word (low half first), each times `scale`."""
+    low = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return low * scale, high * scale
 
 
 SITU_EXP_CAP: tl.constexpr = tl.constexpr(25.0)
@@ -400,11 +454,12 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k_first, k_last, inter, hidden,
                   stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                  A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, ONE_SCALE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr,
+                  ONE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over canonical weights (gate rows, then up rows; fp8 and mxfp4 keep this
     layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
-    scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K)."""
+    scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K), or of
+    mx_words (MX_WORDS: `w_ptr` is the expert's first word, not its k_first-th step's)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // PACK)
     gate_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_kw[:, None]
@@ -413,15 +468,21 @@ def _gate_up_pair(a_ptrs, a_scale_ptrs, w_ptr, scale_base, rows, offs_n, n_ok, k
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_first, k_last):
         k_ok = offs_k < hidden - k * BLOCK_K
-        w_ok = (offs_kw < (hidden - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
         a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
-        up = tl.load(up_ptrs, mask=w_ok, other=0.0)
+        if MX_WORDS:  # up rows start I rows on: a whole number of word groups
+            words, words_ok = _mx_word_offsets(offs_n, k, hidden, BLOCK_K)
+            words_ok = n_ok[:, None, None] & words_ok
+            gate = tl.load(w_ptr + words, mask=words_ok, other=0)
+            up = tl.load(w_ptr + inter * (hidden // 8) + words, mask=words_ok, other=0)
+        else:
+            w_ok = (offs_kw < (hidden - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
+            gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+            up = tl.load(up_ptrs, mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, BLOCK_M)
         gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
         up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // PACK
         up_ptrs += BLOCK_K // PACK
@@ -447,7 +508,7 @@ def gate_up_kernel(
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     W_DESC: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
-    A_FMT: tl.constexpr, PACK: tl.constexpr, ONE_SCALE: tl.constexpr,
+    A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -488,10 +549,12 @@ def gate_up_kernel(
                            TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
     else:
         a_scale_ptrs = x_scale_ptr + (routes // top_k).to(tl.int64) * stride_xsm
-        w_expert = w_ptr + expert.to(tl.int64) * stride_we + k_first * (BLOCK_K // PACK)
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we
+        if not MX_WORDS:
+            w_expert += k_first * (BLOCK_K // PACK)
         acc_gate, acc_up = _gate_up_pair(a_ptrs, a_scale_ptrs, w_expert, scale_base, rows, offs_n, n_ok, k_first,
                                          k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8,
-                                         A_FMT, PACK, ONE_SCALE, TILE_M, BLOCK_N, BLOCK_K)
+                                         A_FMT, PACK, MX_WORDS, ONE_SCALE, TILE_M, BLOCK_N, BLOCK_K)
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
@@ -502,16 +565,16 @@ def gate_up_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
     inter, hidden, top_k,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
-    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, MX_WORDS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
     matrix-vector product in registers, no tensor cores and no shared memory. With one route
     per expert (one token: its top-k experts are distinct) a dot's 16 rows and its staging
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
-    gate n and up n, so both reduce alike), see _mx_products. Writes gate_up_kernel's
-    tiny-mode fp32 partials."""
+    gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
+    like bf16 rows). Writes gate_up_kernel's tiny-mode fp32 partials."""
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -522,10 +585,11 @@ def gate_up_gemv_kernel(
     pair = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # gate n at 2n, up n at 2n + 1
     w_ok = pair // 2 < inter
     x_row = x_ptr + (route // top_k) * stride_xm
-    if W_QUANT == W_MXFP4:
-        offs_w = pair // 2 + (pair % 2) * inter
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None] * stride_wn
-        scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    offs_w = pair // 2 + (pair % 2) * inter  # mxfp4: canonical rows
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
+    if W_QUANT == W_MXFP4 and not MX_WORDS:
+        w_rows = w_expert + offs_w[:, None] * stride_wn
         groups = tl.zeros([2 * BLOCK_N, BLOCK_K // MX_GROUP], dtype=tl.float32)
         for k in range(k_first, k_last):
             offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -539,15 +603,21 @@ def gate_up_gemv_kernel(
     else:
         offs_k = tl.arange(0, BLOCK_K)
         first_k = k_first * BLOCK_K + offs_k
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + pair[:, None] * stride_wn + first_k[None, :]
+        w_ptrs = w_expert + pair[:, None] * stride_wn + first_k[None, :]
         x_ptrs = x_row + first_k
         acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
         for k in range(k_first, k_last):
             k_ok = offs_k < hidden - k * BLOCK_K
-            w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            if MX_WORDS:
+                words, words_ok = _mx_word_offsets(offs_w, k, hidden, BLOCK_K)
+                words = tl.load(w_expert + words, mask=w_ok[:, None, None] & words_ok, other=0)
+                w = _mx_decode(words, _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
+                                                   False))
+            else:
+                w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+                w_ptrs += BLOCK_K
             a = tl.load(x_ptrs, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         rows = tl.sum(acc, axis=1)
     gate, up = tl.split(tl.reshape(rows, [BLOCK_N, 2]))
@@ -602,8 +672,8 @@ def down_kernel(
     num_blocks_m, num_experts, hidden, inter,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr,
-    N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, W_DESC: tl.constexpr,
+    ONE_SCALE: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
@@ -648,13 +718,16 @@ def down_kernel(
         a = tl.load(a_ptrs + k * BLOCK_K, mask=rows[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:  # rows past the expert's H only feed masked columns
             w = desc.load([expert * hidden + tile * BLOCK_N, k * BLOCK_K]).T
+        elif MX_WORDS:
+            words, words_ok = _mx_word_offsets(offs_n, k, inter, BLOCK_K)
+            w = tl.load(w_expert + words, mask=n_ok[:, None, None] & words_ok, other=0)
         else:
             w_ok = (offs_kw < (inter - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
             w = tl.load(w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None],
                         mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
         w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
-        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE)
+        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
         if k == k_steps - 1:
             acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
             tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
@@ -734,14 +807,15 @@ def down_tiny_kernel(
     stride_ps, stride_pr, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together), the
     activation of the summed gate/up partials on the fly, and the top-k sum: no route
     buffer, no extra launch. w8a8 quantises the activation per BLOCK_K group, or with
-    A_TOKEN per route over all of I (a first pass over the partials finds each route's max)."""
+    A_TOKEN per route over all of I (a first pass over the partials finds each route's max).
+    mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, K_PAD)
@@ -763,8 +837,13 @@ def down_tiny_kernel(
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
     if W_QUANT == W_MXFP4:
         scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
+        if MX_WORDS:  # the K_PAD x BLOCK_N rows as one list: _mx_word_offsets and _mx_decode take rows
+            word_rows = tl.reshape(tl.broadcast_to(w_ptr + experts[:, None] * stride_we, [K_PAD, BLOCK_N]),
+                                   [K_PAD * BLOCK_N])
+            rows_n = tl.reshape(tl.broadcast_to(offs_n[None, :], [K_PAD, BLOCK_N]), [K_PAD * BLOCK_N])
+            rows_ok = tl.reshape(w_ok, [K_PAD * BLOCK_N])
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if W_QUANT == W_MXFP4:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high ones
+        if W_QUANT == W_MXFP4 and not MX_WORDS:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high
             offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             b_ok = w_ok & (offs_b < inter // 2)[None, None, :]
             packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0)
@@ -782,12 +861,21 @@ def down_tiny_kernel(
             acc += tl.reshape(tl.sum(sums, axis=1), [K_PAD, BLOCK_N])
         else:
             offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+            if MX_WORDS:
+                words, words_ok = _mx_word_offsets(rows_n, k, inter, BLOCK_K)
+                words = tl.load(word_rows[:, None, None] + words, mask=rows_ok[:, None, None] & words_ok, other=0)
+                offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
+                g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
+                scale = tl.reshape(tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127),
+                                   [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP])
+                w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
+            else:
+                w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
             a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
                                  ACTIVATION, SPLITS)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
-            elif W_QUANT != W_NONE:
+            elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
                 q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
                 a = q.to(tl.float32) * a_scale[:, None]
             w = w.to(tl.float32)

@@ -100,6 +100,7 @@ class Layer:
     weight_on_input: bool = False
     granularity: str | None = None  # fp8 weight scales: tensor, channel or block
     per_token: bool = False  # w8a8 activations: a dynamic scale per token (row), not per 1x128 group
+    mx_words: bool = False  # mxfp4 recoded into int32 words (layout.mx_words), not packed bytes
 
     @classmethod
     def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
@@ -107,7 +108,8 @@ class Layer:
         weights = weights_tag(w13.dtype, granularity if w13.dtype in FP8_TL else None)
         shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
         beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
-        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token)
+        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token,
+                   w13.dtype == torch.int32)
 
     @property
     def w_quant(self) -> object:
@@ -116,8 +118,10 @@ class Layer:
 
     @property
     def pack(self) -> int:
-        """Weight values per stored element along K (mxfp4: two e2m1 per byte)."""
-        return 2 if self.shape.weights == "mxfp4" else 1
+        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word)."""
+        if self.shape.weights != "mxfp4":
+            return 1
+        return 8 if self.mx_words else 2
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,8 @@ def gate_up(
         INTERLEAVED=layer.shape.interleaved,
         W_DESC=layer.shape.interleaved and _descriptors(cfg, w13),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
-        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter),
-        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
+        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
+        ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -253,7 +257,8 @@ def _gate_up_gemv(
         layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
         x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(1), out.stride(0),
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MX_WORDS=layer.mx_words, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -281,7 +286,7 @@ def down(
         tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
         W_DESC=layer.pack == 1 and _descriptors(cfg, w2), ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0),
         N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
@@ -338,7 +343,7 @@ def down_tiny(
         partials.stride(0), partials.stride(1), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         layer.beta, layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
-        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token,
+        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
         SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

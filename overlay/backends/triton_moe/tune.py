@@ -212,19 +212,23 @@ def _runnable(shape: LayerShape, cands: Candidates) -> Candidates:
 
 
 class Problem:
-    """One point's weights, routings and buffers. The weights are random and stay canonical:
-    timing does not depend on the order of random rows, and the layout keeps every stride."""
+    """One point's weights, routings and buffers. The weights are random, in the backend's
+    layout for this GPU (what prepare() makes: mxfp4 words on NVIDIA, say)."""
 
     def __init__(self, point: Point, routings: int, random: bool) -> None:
         import torch
 
+        from ...backend import Platform
+        from ...layout import to_layout
         from ..problems import empty_weights, random_calls, random_weights
         from . import launch
+        from .backend import TritonBackend
 
         spec, device = point.spec, torch.device("cuda")
         self.point = point
         # compiling needs shapes and dtypes only
-        self.tensors = random_weights(spec, device, seed=0) if random else empty_weights(spec, device)
+        canonical = random_weights(spec, device, seed=0) if random else empty_weights(spec, device)
+        self.tensors = to_layout(canonical, spec, TritonBackend().layout_for(spec, Platform.of(device)))
         self.inputs = random_calls(point.tokens, spec, device, routings, seed=100)
         act = spec.activation
         self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),

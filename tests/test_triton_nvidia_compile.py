@@ -1,0 +1,91 @@
+"""The mxfp4 kernels NVIDIA GPUs run, compiled on a machine without one.
+
+On NVIDIA with bf16 activations, mxfp4 weights are recoded at prepare() into 32-bit words
+(layout.mx_words) that the kernels decode with shifts and masks. Triton's CUDA backend ships in
+the triton wheel (with ptxas), so every launch of that path is built here for sm_90 (Hopper)
+through the real launcher, as tests/test_triton_amd_compile.py does for AMD: it shows that the
+kernels compile and that the decoded weight tile stays in registers as wgmma's operand (no trip
+through shared memory). Correctness and speed are `make test-gpu` and `make bench-gpu`'s.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends import backends  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+import moe_overlay as mo  # noqa: E402
+from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
+from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
+from moe_overlay.backends.triton_moe.configs import KernelConfig, LaunchConfig  # noqa: E402
+from moe_overlay.layout import to_layout  # noqa: E402
+from tests.absent_gpu import AbsentGpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif("nvidia" not in backends, reason="this triton has no NVIDIA backend")
+
+SPEC = with_weights(mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0)), "mxfp4")
+HOPPER = mo.Platform("cuda", "nvidia", "sm_90")
+DEVICE = 2000  # compiled kernels kept apart from other tests' (Triton caches them per device index)
+
+
+def _config(block_m: int, gate_up: dict, down: dict) -> LaunchConfig:
+    base = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1, "split_k": 1}
+    return LaunchConfig(block_m, KernelConfig(**{**base, **gate_up}), KernelConfig(**{**base, **down}))
+
+
+# (tokens, launch): sorted mode with the tiled and the streamed down and blocks of 128 rows;
+# tiny mode with the 16-row dot (narrow: mma v2, whose operands pass through shared memory)
+# and with the gemv gate/up
+LAUNCHES = {
+    "sorted": (64, _config(16, {}, {"block_n": 128})),
+    "sorted, streamed down": (64, _config(16, {}, {"block_n": 128, "block_k": 128, "n_split": 2})),
+    "sorted, 128-row blocks": (1024, _config(128, {"num_warps": 8}, {"block_k": 128})),
+    "one token": (1, _config(16, {"block_n": 16, "block_k": 128, "split_k": 2},
+                             {"block_n": 16, "block_k": 128, "num_warps": 8, "num_stages": 1})),
+    "one token, gemv gate/up": (1, _config(16, {"block_n": 16, "block_k": 256, "split_k": 2, "gemv": True,
+                                                "num_stages": 1}, {"block_n": 32})),
+}
+
+
+def _compile() -> dict[str, list[str]]:
+    """TTGIR of every kernel the launches compiled, by kernel name."""
+    assert mo.get_backend("triton").layout_for(SPEC, HOPPER) == mo.Layout("triton", mx_words=True)
+    tensors = to_layout(random_weights(SPEC, "cpu", seed=0), SPEC, mo.Layout("triton", mx_words=True))
+    x1 = random_input(1, SPEC, "cpu", seed=1)
+    layer = launch.Layer.of(x1, tensors["w13"], SPEC.top_k, SPEC.activation.kind, list(SPEC.activation.params),
+                            False, None)
+    assert layer.mx_words and layer.shape.weights == "mxfp4"
+    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), DEVICE))
+    try:
+        for m, config in LAUNCHES.values():
+            weights, ids = random_routing(m, SPEC, "cpu", seed=2)
+            with launch.compile_only():
+                launch.fused_experts(layer, random_input(m, SPEC, "cpu", seed=3), tensors["w13"], tensors["w2"],
+                                     tensors["w13_scale"], tensors["w2_scale"], weights, ids, None, config)
+    finally:
+        driver.set_active(None)
+    compiled: dict[str, list[str]] = {}
+    for name in ("gate_up_kernel", "gate_up_gemv_kernel", "down_kernel", "down_tiny_kernel"):
+        fn = getattr(kernels, name)
+        compiled[name] = [k.asm["ttgir"] for k in fn.device_caches.get(DEVICE, ({},))[0].values()]
+    return compiled
+
+
+def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers():
+    compiled = _compile()
+    assert {name: len(irs) for name, irs in compiled.items()} == {
+        "gate_up_kernel": 3, "gate_up_gemv_kernel": 1, "down_kernel": 3, "down_tiny_kernel": 2}
+    for name in ("gate_up_kernel", "down_kernel"):
+        wgmma = [ir for ir in compiled[name] if "warp_group_dot" in ir]
+        # the sorted launches (64-row weight tiles at least): wgmma, the decoded weights its
+        # register operand; nothing computed in registers is stored to shared memory
+        assert len(wgmma) == (2 if name == "gate_up_kernel" else 3)
+        for ir in wgmma:
+            assert re.search(r"warp_group_dot %\S+, %\S+, %\S+.*: tensor<\d+x\d+xbf16, #ttg\.dot_op<\{opIdx = 0", ir)
+            assert not re.search(r"ttg\.local_alloc %", ir), f"{name}: a register tile goes through shared memory"
