@@ -291,11 +291,11 @@ def _words_to_codes(words: torch.Tensor) -> torch.Tensor:
     return codes.view(e, n, count * 8)
 
 
-def mx_words(packed: torch.Tensor) -> torch.Tensor:
+def mx_words(packed: torch.Tensor, name: str = "the weight") -> torch.Tensor:
     """Canonical mxfp4 `[E, N, K/2]` uint8 (low nibble even K) -> int32 `[E, N, K/8]` words (see
     MX_WORD_SIGN), each 16 rows' 64-K chunks stored together: `[E, N/16, K/64, 16, 8]` in memory."""
     e, n, half = packed.shape
-    view = _mx_word_view(torch.Size((e, n, half // 4)), "the weight")
+    view = _mx_word_view(torch.Size((e, n, half // 4)), name)
     out = torch.empty(e, n, half // 4, dtype=torch.int32, device=packed.device)
     for first in range(0, e, _MX_WORD_EXPERTS):
         part = packed[first:first + _MX_WORD_EXPERTS].to(torch.int64)
@@ -330,13 +330,12 @@ def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tenso
         if inverse:
             out[name] = mx_unwords(t[name])
             continue
-        _mx_word_view(torch.Size((t[name].shape[0], t[name].shape[1], t[name].shape[2] // 4)), name)
         largest = int(t[f"{name}_scale"].max())
         if largest > MX_WORD_MAX_SCALE:
             raise SpecError(
                 f"{name}_scale holds e8m0 {largest} (2^{largest - E8M0_BIAS}); the mx_words layout decodes "
                 f"scales up to 2^{MX_WORD_MAX_SCALE - E8M0_BIAS}: use a backend that keeps canonical mxfp4")
-        out[name] = mx_words(t[name])
+        out[name] = mx_words(t[name], name)
     return out
 
 

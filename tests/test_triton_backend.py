@@ -200,6 +200,9 @@ def test_mx_words_round_trip_through_the_layout_and_refuse_scales_the_decode_can
     tensors["w2_scale"][2, 5, 1] = 129  # 2^2: the bf16 multiplier 2^(s - 1) would overflow
     with pytest.raises(mo.SpecError, match=r"w2_scale holds e8m0 129 \(2\^2\).*up to 2\^1"):
         to_layout(tensors, spec, layout)
+    odd = mo.MoESpec(4, 128, 96, 2, quant=MXFP4)  # down's K (I = 96) is not whole 64-value chunks
+    with pytest.raises(mo.SpecError, match="w2 has 128 rows and K 96"):
+        to_layout(random_weights(odd, "cpu", seed=0), odd, layout)
 
 
 def test_kernel_name_and_tuned_state_off_gpu():
