@@ -263,17 +263,20 @@ def _mx_word_view(shape: torch.Size, name: str) -> tuple[int, ...]:
     return (e, n // MX_WORD_ROWS, MX_WORD_ROWS, words * 8 // MX_WORD_K, MX_WORD_K // 8)
 
 
+def _mx_word_places() -> list[tuple[int, int, int, int, int]]:
+    """(h, q, p, sign bit, magnitude's lowest bit) of every value of a 32-K chunk's word."""
+    return [(h, q, p, MX_WORD_SIGN[q + 2 * h] + 16 * p, MX_WORD_MAG[q + 2 * h] + 16 * p)
+            for h in range(2) for q in range(2) for p in range(2)]
+
+
 def _codes_to_words(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes `[E, N, K]` (int64) -> words `[E, N, K/8]` (int32), rows in order."""
     e, n, k = codes.shape
     c = codes.view(e, n, k // 32, 2, 2, 4, 2)  # K = 32c + 16h + 8q + 2t + p
     word = torch.zeros(e, n, k // 32, 4, dtype=torch.int64, device=codes.device)
-    for h in range(2):
-        for q in range(2):
-            j = q + 2 * h
-            for p in range(2):
-                v = c[:, :, :, h, q, :, p]
-                word |= ((v >> 3) << (MX_WORD_SIGN[j] + 16 * p)) | ((v & 7) << (MX_WORD_MAG[j] + 16 * p))
+    for h, q, p, sign, mag in _mx_word_places():
+        v = c[:, :, :, h, q, :, p]
+        word |= ((v >> 3) << sign) | ((v & 7) << mag)
     return (word - (word >> 31 << 32)).to(torch.int32).view(e, n, k // 8)
 
 
@@ -282,12 +285,8 @@ def _words_to_codes(words: torch.Tensor) -> torch.Tensor:
     e, n, count = words.shape
     w = words.to(torch.int64).view(e, n, count // 4, 4) & 0xFFFFFFFF
     codes = torch.empty(e, n, count // 4, 2, 2, 4, 2, dtype=torch.int64, device=words.device)
-    for h in range(2):
-        for q in range(2):
-            j = q + 2 * h
-            for p in range(2):
-                sign = (w >> (MX_WORD_SIGN[j] + 16 * p)) & 1
-                codes[:, :, :, h, q, :, p] = (sign << 3) | ((w >> (MX_WORD_MAG[j] + 16 * p)) & 7)
+    for h, q, p, sign, mag in _mx_word_places():
+        codes[:, :, :, h, q, :, p] = (((w >> sign) & 1) << 3) | ((w >> mag) & 7)
     return codes.view(e, n, count * 8)
 
 

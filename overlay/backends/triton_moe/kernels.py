@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ... import layout
+
 SILU: tl.constexpr = tl.constexpr(0)
 SITU: tl.constexpr = tl.constexpr(1)
 # Weight quantisation, as the kernels see it.
@@ -39,8 +41,8 @@ W_BLOCK: tl.constexpr = tl.constexpr(3)
 W_MXFP4: tl.constexpr = tl.constexpr(4)  # w4a16: e2m1 pairs packed along K, an e8m0 scale per 32 (not w8a8)
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation groups are 128 wide
 MX_GROUP: tl.constexpr = tl.constexpr(32)  # mxfp4: K values per e8m0 scale
-MX_WORD_ROWS: tl.constexpr = tl.constexpr(16)  # mx_words: rows stored together (layout.MX_WORD_ROWS)
-MX_WORD_CHUNK: tl.constexpr = tl.constexpr(8)  # mx_words: words of a row per 64-K chunk (layout.MX_WORD_K / 8)
+MX_WORD_ROWS: tl.constexpr = tl.constexpr(layout.MX_WORD_ROWS)  # mx_words: rows stored together
+MX_WORD_CHUNK: tl.constexpr = tl.constexpr(layout.MX_WORD_K // 8)  # mx_words: words of a row per chunk
 
 
 # Arguments that change with the number of tokens are not specialised on, so one compiled
