@@ -304,7 +304,7 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     table = {"cpu": {shape.key: {"512": entry}}}
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json", table)))
     config = launch.launch_config(shape, torch.device("cpu"), 512)
-    assert config.block_m == 32  # one row tile
+    assert config.block_m == 48  # two row tiles, as bf16 has
     assert config.gate_up.block_k == configs.MX_MIN_K and config.down.block_k == 256
     assert config.gate_up.gemv  # mxfp4 has a gemv gate/up (it runs in tiny mode)
     assert not (config.gate_up.descriptors or config.down.descriptors)
@@ -422,27 +422,18 @@ def test_blocks_of_three_row_tiles_are_split_and_others_refused(tmp_path):
         configs.read_file(path)
 
 
-def test_three_tile_blocks_are_tried_for_bf16_experts_they_hold_and_fp8_falls_back_to_one(tmp_path, monkeypatch):
+def test_three_tile_blocks_are_tried_for_experts_they_hold_in_every_format(tmp_path, monkeypatch):
     kimi = configs.LayerShape.of(next(m.spec for m in MODELS if m.name == "Kimi-K3"))  # 146 routes per expert
-    assert block_m_candidates(kimi, 8192) == [64, 128, 192]
-    assert 192 not in block_m_candidates(replace(kimi, weights="fp8-block"), 8192)
+    for weights in ("bf16", "fp8-block", "mxfp4"):
+        assert block_m_candidates(replace(kimi, weights=weights), 8192) == [64, 128, 192]
     assert block_m_candidates(kimi, 16) == [16, 32]  # a route or two per expert: powers of two only
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
-    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block", "mxfp4")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": _entry(192)} for s in shapes}})))
-    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
-    assert (bf16.block_m, fp8.block_m) == (192, 128)
-    # a launch handed a two-tile block for fp8 directly (not through launch_config) is refused, not cut short
-    x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    w13 = torch.zeros(8, 256, 256).to(torch.float8_e4m3fn)
-    layer = launch.Layer.of(x, w13, 2, "silu", [], False, "block")
-    ids = torch.zeros(4, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"block_m 192 .* needs interleaved bf16/fp16 weights"):
-        launch.gate_up(x, w13, None, torch.ones(4, 2), ids, None, None, layer,
-                      configs.LaunchConfig.from_json(_entry(192)), torch.empty(0))
+    assert [launch.launch_config(s, torch.device("cpu"), 512).block_m for s in shapes] == [192, 192, 192]
 
 
 def test_bad_config_files_are_named(tmp_path):

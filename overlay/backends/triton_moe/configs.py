@@ -275,14 +275,13 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if not shape.interleaved:  # no fp8 gemv gate/up; one row tile (the second is in the
-        # interleaved loop only); n_split streams the down (no resident block: that is bf16/fp16).
-        # fp8: one K step per 128-wide scale block and activation group. mxfp4: K steps of whole
-        # 32-wide scale groups, at least MX_MIN_K, and weight tiles by plain loads (packed K, not
-        # what a descriptor's box holds)
+    if not shape.interleaved:  # no fp8 gemv gate/up; n_split streams the down (no resident
+        # block: that is bf16/fp16). fp8: one K step per 128-wide scale block and activation
+        # group. mxfp4: K steps of whole 32-wide scale groups, at least MX_MIN_K, and weight
+        # tiles by plain loads (packed K, not what a descriptor's box holds)
         gate_up_k, down_k = (128, 128) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
                                                           max(config.down.block_k, MX_MIN_K))
-        config = replace(config, block_m=row_tiles(config.block_m)[0],
+        config = replace(config,
                          gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv and not shape.fp8,
                                          descriptors=config.gate_up.descriptors and shape.fp8),
                          down=replace(config.down, block_k=down_k,

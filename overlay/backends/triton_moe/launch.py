@@ -224,8 +224,6 @@ def gate_up(
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
     tile_m, tile_m2 = row_tiles(config.block_m)
-    if tile_m2 and not layer.shape.interleaved:  # launch_config never asks: fp8 blocks are one tile
-        raise ValueError(f"block_m {config.block_m} (two row tiles) needs interleaved bf16/fp16 weights")
     _launch(
         kernels.gate_up_kernel, grid,
         x, x_scale, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
@@ -345,7 +343,8 @@ def down_tiny(
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
         W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
-        SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLITS=partials.shape[0], SPLITS_PAD=triton.next_power_of_2(partials.shape[0]), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

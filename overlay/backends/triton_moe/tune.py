@@ -91,17 +91,17 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
 
 
 def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
-    """The default block and the next larger one; for bf16/fp16 also the smallest block of
-    three row tiles (48, 96, 192) that holds an expert's routes with room to spare: each
-    weight tile loaded once for all of them, where powers of two would pad a lot or split
-    the expert in two."""
+    """The default block and the next larger one; also the smallest block of three row tiles
+    (48, 96, 192) that holds an expert's routes with room to spare: each weight tile loaded
+    (mxfp4: decoded) once for all of them, where powers of two would pad a lot or split the
+    expert in two."""
     if is_tiny(tokens, shape.top_k):
         return [TINY_ROUTES]
     block_m = default_config(shape, tokens).block_m
     blocks = [block_m, block_m * 2] if block_m < 128 else [64, 128]
     per_expert = tokens * shape.top_k / shape.experts
     three_tiles = next((b for b in (48, 96, 192) if b >= 1.15 * per_expert), None)
-    if shape.interleaved and per_expert >= 32 and three_tiles:
+    if per_expert >= 32 and three_tiles:
         blocks.append(three_tiles)
     return blocks
 
