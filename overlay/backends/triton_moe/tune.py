@@ -133,14 +133,15 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N). For
     bf16/fp16 and mxfp4 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
-    products in registers, 8 to 64 per thread."""
+    products in registers, 8 to 64 per thread, one stage (its loop has no dot, which is all
+    Triton pipelines: it loads a step ahead itself)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
             for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     gemv = [] if fp8 else [
-        KernelConfig(n, k, w, stages, split_k=s, gemv=True) for n in (4, 8, 16) for k in (128, 256, 512)
-        for w in (2, 4, 8) for stages in (1, 3) for s in (2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
+        KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in (4, 8, 16) for k in (128, 256, 512)
+        for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
@@ -165,11 +166,12 @@ def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> li
 def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
     """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] weight tiles and
     [k, BLOCK_K] gate/up sums in registers. Wide BLOCK_K (up to all of I) keeps enough bytes
-    in flight when few programs run (one token: H / BLOCK_N programs)."""
+    in flight when few programs run (one token: H / BLOCK_N programs). One stage: no dot, so
+    nothing for Triton to pipeline (the kernel loads a step ahead itself)."""
     widest = min(1024, 1 << (inter - 1).bit_length())
     block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
     k_pad = 1 << (top_k - 1).bit_length()
-    return [KernelConfig(n, k, w, stages) for n in (16, 32, 64) for k in block_ks for w in (4, 8) for stages in (1, 2)
+    return [KernelConfig(n, k, w, 1) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
             if k_pad * n * k // (32 * w) <= REG_BUDGET]
 
 
