@@ -3,8 +3,8 @@
 The interpreter cannot run them as they are: it has no bf16 bit casts (the decode) and its bf16
 dot is wrong. Here the decode is replaced by the same values computed in fp32 arithmetic from
 the words' bit places (layout.MX_WORD_SIGN / MX_WORD_MAG) and the dot runs in fp32, so what is
-checked is everything around them: which words each K step loads (a step ahead, in the tiny
-kernels), the K splits, the row tiles sharing a decoded weight tile, the stores. The decode
+checked is everything around them: which words each K step loads, the K splits, the row
+tiles sharing a decoded weight tile, the stores. The decode
 itself is checked bit for bit against a torch copy in tests/test_triton_backend.py, and the
 real kernels run on the GPU lane (test_mxfp4_layers_match_the_dequantising_reference)."""
 

@@ -611,27 +611,37 @@ def gate_up_gemv_kernel(
     offs_w = pair // 2 + (pair % 2) * inter  # mxfp4: canonical rows
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-    w_next, s_next, a_next = _gemv_loads(w_expert, x_row, scale_base, pair, offs_w, w_ok, k_first, hidden,
-                                         stride_wn, stride_sn, W_QUANT, MX_WORDS, BLOCK_K)
     if W_QUANT == W_MXFP4 and not MX_WORDS:
+        w_rows = w_expert + offs_w[:, None] * stride_wn
         groups = tl.zeros([2 * BLOCK_N, BLOCK_K // MX_GROUP], dtype=tl.float32)
-    else:
-        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k in range(k_first, k_last):
-        w, scales, a = w_next, s_next, a_next
-        w_next, s_next, a_next = _gemv_loads(w_expert, x_row, scale_base, pair, offs_w, w_ok,
-                                             tl.minimum(k + 1, k_last - 1), hidden, stride_wn, stride_sn, W_QUANT,
-                                             MX_WORDS, BLOCK_K)
-        if W_QUANT == W_MXFP4 and not MX_WORDS:
-            a_even, a_odd = tl.split(tl.reshape(a.to(tl.float32), [BLOCK_K // 2, 2]))
-            groups += _mx_group_sums(_mx_products(w, a_even[None, :], a_odd[None, :]), scales, 2 * BLOCK_N, BLOCK_K)
-        else:
-            if MX_WORDS:
-                w = _mx_decode(w, scales)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    if W_QUANT == W_MXFP4 and not MX_WORDS:
+        for k in range(k_first, k_last):
+            offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            b_ok = offs_b < hidden // 2
+            packed = tl.load(w_rows + offs_b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
+            a_even = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            a_odd = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
+            groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
         rows = tl.sum(groups, axis=1)
     else:
+        offs_k = tl.arange(0, BLOCK_K)
+        first_k = k_first * BLOCK_K + offs_k
+        w_ptrs = w_expert + pair[:, None] * stride_wn + first_k[None, :]
+        x_ptrs = x_row + first_k
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+        for k in range(k_first, k_last):
+            k_ok = offs_k < hidden - k * BLOCK_K
+            if MX_WORDS:
+                words, words_ok = _mx_word_offsets(offs_w, k, hidden, BLOCK_K)
+                words = tl.load(w_expert + words, mask=w_ok[:, None, None] & words_ok, other=0)
+                w = _mx_decode(words, _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
+                                                   False))
+            else:
+                w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+                w_ptrs += BLOCK_K
+            a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            x_ptrs += BLOCK_K
         rows = tl.sum(acc, axis=1)
     gate, up = tl.split(tl.reshape(rows, [BLOCK_N, 2]))
     if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W), as in _gate_up_store
@@ -640,32 +650,6 @@ def gate_up_gemv_kernel(
         up *= route_weight
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _store_partials(gate, up, out_ptr, route * stride_om + offs_n, offs_n < inter, inter, stride_os)
-
-
-@triton.jit
-def _gemv_loads(w_expert, x_row, scale_base, pair, offs_w, w_ok, k, hidden, stride_wn, stride_sn,
-                W_QUANT: tl.constexpr, MX_WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """gate_up_gemv_kernel's operands of K step `k` as stored: weights (bf16/fp16 rows `pair`
-    of interleaved w13; mxfp4 rows `offs_w` of canonical w13, packed bytes or mx_words), their
-    e8m0 scales (mxfp4) and the activations. The loop loads a step ahead of its use (the
-    last step's loads again on its last pass, from the cache): Triton pipelines no loop
-    without a dot (num_stages changes nothing there), and a step that waited for its own
-    loads would wait a full memory latency each time."""
-    offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < hidden
-    if W_QUANT == W_MXFP4 and MX_WORDS:
-        words, words_ok = _mx_word_offsets(offs_w, k, hidden, BLOCK_K)
-        w = tl.load(w_expert + words, mask=w_ok[:, None, None] & words_ok, other=0)
-    elif W_QUANT == W_MXFP4:  # even K in the low nibbles, odd K in the high
-        offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        b_ok = offs_b < hidden // 2
-        w = tl.load(w_expert + offs_w[:, None] * stride_wn + offs_b[None, :], mask=w_ok[:, None] & b_ok[None, :],
-                    other=0)
-    else:
-        w = tl.load(w_expert + pair[:, None] * stride_wn + offs_k[None, :], mask=w_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-    scales = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
-    return w, scales, tl.load(x_row + offs_k, mask=k_ok, other=0.0)
 
 
 @triton.jit
@@ -850,7 +834,6 @@ def down_tiny_kernel(
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together), the
@@ -872,42 +855,49 @@ def down_tiny_kernel(
     if A_TOKEN:
         amax = tl.zeros([K_PAD], dtype=tl.float32)
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            gate, up = _tiny_partials(partial_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter,
-                                      stride_ps, stride_pr, SPLITS, SPLITS_PAD)
-            a = _activate(tl.sum(gate, axis=0), tl.sum(up, axis=0), beta, linear_beta, ACTIVATION)
+            a = _tiny_activation(partial_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter,
+                                 stride_ps, stride_pr, beta, linear_beta, ACTIVATION, SPLITS)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
         token_scale = _scale_of(amax, FP8_MAX)
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
-    word_rows = w_rows  # mx_words: the K_PAD x BLOCK_N rows as one list (_mx_word_offsets and _mx_decode take rows)
-    rows_n = offs_n
-    rows_ok = w_ok
-    if MX_WORDS:
-        word_rows = tl.reshape(tl.broadcast_to(w_ptr + experts[:, None] * stride_we, [K_PAD, BLOCK_N]),
-                               [K_PAD * BLOCK_N])
-        rows_n = tl.reshape(tl.broadcast_to(offs_n[None, :], [K_PAD, BLOCK_N]), [K_PAD * BLOCK_N])
-        rows_ok = tl.reshape(w_ok, [K_PAD * BLOCK_N])
-    k_steps = tl.cdiv(inter, BLOCK_K)
-    w_next, s_next, g_next, u_next = _down_tiny_loads(
-        partial_ptr, w_rows, word_rows, rows_n, rows_ok, scale_base, routes, here, offs_n, n_ok, w_ok, 0,
-        inter, stride_ps, stride_pr, stride_sn, W_QUANT, MX_WORDS, BLOCK_K, SPLITS, SPLITS_PAD)
-    for k in range(0, k_steps):
-        w, scale, gate, up = w_next, s_next, g_next, u_next
-        w_next, s_next, g_next, u_next = _down_tiny_loads(
-            partial_ptr, w_rows, word_rows, rows_n, rows_ok, scale_base, routes, here, offs_n, n_ok, w_ok,
-            tl.minimum(k + 1, k_steps - 1), inter, stride_ps, stride_pr, stride_sn, W_QUANT, MX_WORDS, BLOCK_K,
-            SPLITS, SPLITS_PAD)
-        a = _activate(tl.sum(gate, axis=0), tl.sum(up, axis=0), beta, linear_beta, ACTIVATION)  # [K_PAD, BLOCK_K]
-        if W_QUANT == W_MXFP4 and not MX_WORDS:  # even k in the low nibbles, odd k in the high
-            a_even, a_odd = tl.split(tl.reshape(a, [K_PAD, BLOCK_K // 2, 2]))
-            products = tl.reshape(_mx_products(w, a_even[:, None, :], a_odd[:, None, :]),
+    if W_QUANT == W_MXFP4:
+        scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
+        if MX_WORDS:  # the K_PAD x BLOCK_N rows as one list: _mx_word_offsets and _mx_decode take rows
+            word_rows = tl.reshape(tl.broadcast_to(w_ptr + experts[:, None] * stride_we, [K_PAD, BLOCK_N]),
+                                   [K_PAD * BLOCK_N])
+            rows_n = tl.reshape(tl.broadcast_to(offs_n[None, :], [K_PAD, BLOCK_N]), [K_PAD * BLOCK_N])
+            rows_ok = tl.reshape(w_ok, [K_PAD * BLOCK_N])
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        if W_QUANT == W_MXFP4 and not MX_WORDS:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high
+            offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            b_ok = w_ok & (offs_b < inter // 2)[None, None, :]
+            packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0)
+            offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
+            g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
+            scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
+            a_even = _tiny_activation(partial_ptr, routes, here, 2 * offs_b, inter, stride_ps, stride_pr, beta,
+                                      linear_beta, ACTIVATION, SPLITS)
+            a_odd = _tiny_activation(partial_ptr, routes, here, 2 * offs_b + 1, inter, stride_ps, stride_pr, beta,
+                                     linear_beta, ACTIVATION, SPLITS)
+            products = tl.reshape(_mx_products(packed, a_even[:, None, :], a_odd[:, None, :]),
                                   [K_PAD * BLOCK_N, BLOCK_K // 2])
             sums = _mx_group_sums(products, tl.reshape(scale, [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP]),
                                   K_PAD * BLOCK_N, BLOCK_K)
             acc += tl.reshape(tl.sum(sums, axis=1), [K_PAD, BLOCK_N])
         else:
+            offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
             if MX_WORDS:
-                w = tl.reshape(_mx_decode(w, tl.reshape(scale, [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP])),
-                               [K_PAD, BLOCK_N, BLOCK_K])
+                words, words_ok = _mx_word_offsets(rows_n, k, inter, BLOCK_K)
+                words = tl.load(word_rows[:, None, None] + words, mask=rows_ok[:, None, None] & words_ok, other=0)
+                offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
+                g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
+                scale = tl.reshape(tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127),
+                                   [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP])
+                w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
+            else:
+                w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+            a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
+                                 ACTIVATION, SPLITS)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
             elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
@@ -915,7 +905,8 @@ def down_tiny_kernel(
                 a = q.to(tl.float32) * a_scale[:, None]
             w = w.to(tl.float32)
             if W_QUANT == W_BLOCK:
-                w *= scale[:, :, None]
+                block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
+                w *= tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)[:, :, None]
             acc += tl.sum(w * a[:, None, :], axis=2)
     if W_QUANT == W_TENSOR:
         acc *= tl.load(scale_base, mask=here, other=0.0)[:, None]
@@ -929,46 +920,18 @@ def down_tiny_kernel(
 
 
 @triton.jit
-def _tiny_partials(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, SPLITS: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr):
-    """down_tiny_kernel's gate and up partials, columns `offs_k` of each route, one per K split
-    (`[SPLITS_PAD, K_PAD, BLOCK_K]` fp32 each; 0 where masked): the caller sums them."""
-    splits = tl.arange(0, SPLITS_PAD)[:, None, None]
-    ok = (splits < SPLITS) & (here[:, None] & (offs_k < inter)[None, :])[None, :, :]
-    ptrs = partial_ptr + splits * stride_ps + routes[None, :, None] * stride_pr + offs_k[None, None, :]
-    return tl.load(ptrs, mask=ok, other=0.0), tl.load(ptrs + inter, mask=ok, other=0.0)
-
-
-@triton.jit
-def _down_tiny_loads(partial_ptr, w_rows, word_rows, rows_n, rows_ok, scale_base, routes, here, offs_n, n_ok, w_ok,
-                     k, inter, stride_ps, stride_pr, stride_sn, W_QUANT: tl.constexpr,
-                     MX_WORDS: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                     SPLITS_PAD: tl.constexpr):
-    """down_tiny_kernel's operands of K step `k`: weights as stored
-    (`[K_PAD, BLOCK_N, ..]`; mx_words `[K_PAD * BLOCK_N, BLOCK_K / 32, 4]`), their scales (mxfp4
-    e8m0 `[K_PAD, BLOCK_N, BLOCK_K / 32]`, fp8 block `[K_PAD, BLOCK_N]`, else 0) and the gate/up
-    partials. Loaded a step ahead of their use, as in _gemv_loads."""
-    offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-    scale = 0.0
-    if W_QUANT == W_MXFP4:
-        offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
-        g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
-        scale_rows = scale_base[:, None, None] + offs_n[None, :, None] * stride_sn
-        scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
-    elif W_QUANT == W_BLOCK:
-        block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
-        scale = tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)
-    if W_QUANT == W_MXFP4 and MX_WORDS:
-        words, words_ok = _mx_word_offsets(rows_n, k, inter, BLOCK_K)
-        w = tl.load(word_rows[:, None, None] + words, mask=rows_ok[:, None, None] & words_ok, other=0)
-    elif W_QUANT == W_MXFP4:
-        offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_rows + offs_b[None, None, :], mask=w_ok & (offs_b < inter // 2)[None, None, :], other=0)
-    else:
-        w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
-    gate, up = _tiny_partials(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, SPLITS,
-                              SPLITS_PAD)
-    return w, scale, gate, up
+def _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
+                     ACTIVATION: tl.constexpr, SPLITS: tl.constexpr):
+    """down_tiny_kernel's input: the activation of the gate/up partials summed over the K
+    splits, columns `offs_k` of each route (`[K_PAD, BLOCK_K]` fp32; 0 where masked)."""
+    a_ok = here[:, None] & (offs_k < inter)[None, :]
+    a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
+    gate = tl.zeros(a_ok.shape, dtype=tl.float32)
+    up = tl.zeros(a_ok.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
+        gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
+        up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
+    return _activate(gate, up, beta, linear_beta, ACTIVATION)
 
 
 @triton.jit

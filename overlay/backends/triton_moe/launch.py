@@ -343,8 +343,7 @@ def down_tiny(
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
         W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
-        SPLITS=partials.shape[0], SPLITS_PAD=triton.next_power_of_2(partials.shape[0]), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

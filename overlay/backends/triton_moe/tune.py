@@ -133,8 +133,8 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N). For
     bf16/fp16 and mxfp4 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
-    products in registers, 8 to 64 per thread, one stage (its loop has no dot, which is all
-    Triton pipelines: it loads a step ahead itself)."""
+    products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
+    pipelines only loops with one: more stages compile the same kernel)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
@@ -167,7 +167,7 @@ def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig
     """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] weight tiles and
     [k, BLOCK_K] gate/up sums in registers. Wide BLOCK_K (up to all of I) keeps enough bytes
     in flight when few programs run (one token: H / BLOCK_N programs). One stage: no dot, so
-    nothing for Triton to pipeline (the kernel loads a step ahead itself)."""
+    nothing for Triton to pipeline."""
     widest = min(1024, 1 << (inter - 1).bit_length())
     block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
     k_pad = 1 << (top_k - 1).bit_length()
