@@ -344,7 +344,9 @@ def _mx_word_offsets(rows, k, cols, BLOCK_K: tl.constexpr):
     group = (r // MX_WORD_ROWS) * (MX_WORD_ROWS * (cols // 8))
     chunk = (kw // MX_WORD_CHUNK) * (MX_WORD_ROWS * MX_WORD_CHUNK)
     offsets = group + chunk + (r % MX_WORD_ROWS) * MX_WORD_CHUNK + kw % MX_WORD_CHUNK
-    return offsets, kw < cols // 8
+    # cols // 8 as whole chunks, so that Triton sees the mask constant over a chunk's words
+    # (cols // 8 alone leaves it proven over 2: 8-byte copies, not 16)
+    return offsets, kw < (cols // (MX_WORD_CHUNK * 8)) * MX_WORD_CHUNK
 
 
 @triton.jit
