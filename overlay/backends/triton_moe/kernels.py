@@ -355,29 +355,38 @@ def _mx_decode(words, scales):
     `scales` (`[rows, BLOCK_K / 32]` uint8, at most 2^1: layout.MX_WORD_MAX_SCALE). A word's
     four bf16 pairs are its bits shifted and masked into place (layout.MX_WORD_SIGN): e2m1's
     exponent in bf16's lowest exponent bits is the value times 2^-126 (code 0.5 a subnormal),
-    which one multiply by 2^(s - 1), the scale times 2^126, makes exact."""
-    scale = ((scales.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    scale = tl.broadcast_to(scale[:, :, None], words.shape)
+    which one multiply by 2^(s - 1), the scale times 2^126, makes exact. Each pair is scaled
+    as a pair, one bf16x2 multiply for two weights (_bf16_pair)."""
+    scale = ((scales.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None, None]
     both: tl.constexpr = -0x7E3F7E40  # 0x81C081C0: sign and magnitude of both halves
     sign: tl.constexpr = -0x7FFF8000  # 0x80008000
     mag: tl.constexpr = 0x01C001C0
-    l0, h0 = _bf16_halves(words & both, scale)
-    l1, h1 = _bf16_halves((words << 3) & both, scale)
-    l2, h2 = _bf16_halves(((words << 2) & sign) | ((words << 6) & mag), scale)
-    l3, h3 = _bf16_halves(((words << 1) & sign) | ((words >> 3) & mag), scale)
+    p0 = _bf16_pair(words & both, scale, False)
+    p1 = _bf16_pair((words << 3) & both, scale, False)
+    p2 = _bf16_pair(((words << 2) & sign) | ((words << 6) & mag), scale, True)
+    p3 = _bf16_pair(((words << 1) & sign) | ((words >> 3) & mag), scale, True)
     # pair j = q + 2h, half p: [rows, C, T, P, Q, H] -> [rows, C, H, Q, T, P], K = 32c + 16h + 8q + 2t + p
-    half0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
-    half1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
-    full = tl.permute(tl.join(half0, half1), (0, 1, 5, 4, 2, 3))
+    full = tl.permute(tl.join(tl.join(p0, p1), tl.join(p2, p3)), (0, 1, 5, 4, 2, 3))
     return tl.reshape(full, [words.shape[0], words.shape[1] * MX_GROUP])
 
 
 @triton.jit
-def _bf16_halves(pair, scale):
-    """The two bf16 of a 32-bit word (low half first), each times `scale`."""
-    low = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return low * scale, high * scale
+def _bf16_pair(word, scale, HIGH_FIRST: tl.constexpr):
+    """The two bf16 of a 32-bit word times `scale`, `[..., 2]`, low half first. Scaled as a
+    pair, so that LLVM makes one bf16x2 multiply of the word (scaling the halves apart left it
+    pairing them up again by byte permutes; Kimi-K3 M=8192 down 1862 -> 1688 us on an H200).
+    HIGH_FIRST builds the pair high half first and swaps it after the multiply, a register
+    renaming: for a word of two shifts LLVM orders the halves high first, and built low first
+    it swapped them before the multiply and back after (sm_90, Triton 3.6: 32 of a gate/up
+    step's 294 instructions, 11 left this way)."""
+    low = (word & 0xFFFF).to(tl.int16)
+    high = (word >> 16).to(tl.int16)
+    if HIGH_FIRST:
+        high, low = tl.split(tl.join(high, low).to(tl.bfloat16, bitcast=True) * scale)
+        pair = tl.join(low, high)
+    else:
+        pair = tl.join(low, high).to(tl.bfloat16, bitcast=True) * scale
+    return pair
 
 
 SITU_EXP_CAP: tl.constexpr = tl.constexpr(25.0)
