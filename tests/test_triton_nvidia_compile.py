@@ -4,8 +4,9 @@ On NVIDIA with bf16 activations, mxfp4 weights are recoded at prepare() into 32-
 (layout.mx_words) that the kernels decode with shifts and masks. Triton's CUDA backend ships in
 the triton wheel (with ptxas), so every launch of that path is built here for sm_90 (Hopper)
 through the real launcher, as tests/test_triton_amd_compile.py does for AMD: it shows that the
-kernels compile and that the decoded weight tile stays in registers as wgmma's operand (no trip
-through shared memory). Correctness and speed are `make test-gpu` and `make bench-gpu`'s.
+kernels compile, that the decoded weight tile stays in registers as wgmma's operand (no trip
+through shared memory) and that 4-warp launches copy the words 16 bytes at a time.
+Correctness and speed are `make test-gpu` and `make bench-gpu`'s.
 """
 
 from __future__ import annotations
@@ -91,3 +92,9 @@ def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers
         for ir in wgmma:
             assert re.search(r"warp_group_dot %\S+, %\S+, %\S+.*: tensor<\d+x\d+xbf16, #ttg\.dot_op<\{opIdx = 0", ir)
             assert not re.search(r"ttg\.local_alloc %", ir), f"{name}: a register tile goes through shared memory"
+            # the words' pipelined copies are 16 bytes (4 words) where a program has 4 warps, as every
+            # shipped mxfp4 launch does (with the K mask compared against cols // 8 Triton proved
+            # only 2 words constant: 8-byte copies; the 8-warp launches here still copy 8 bytes)
+            if re.search(r'"ttg\.num-warps" = 4 ', ir):
+                copies = [line for line in re.findall(r"async_copy_global_to_local[^\n]*", ir) if "ptr<i32>" in line]
+                assert copies and all("contiguity = 4 " in line for line in copies), f"{name}: {copies}"
