@@ -511,18 +511,17 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
 
 
-def test_compile_tasks_cover_every_candidate_and_each_tiny_down_per_k_split():
+def test_compile_tasks_cover_every_candidate_once():
     points = points_from_args(_parse(["tune", "--model", "Maverick", "--tokens", "1,1024"]))
     plan = [(p, candidates(p, 227 * 1024)) for p in points]
     tasks = compile_tasks(plan)
     assert all(0 < len(kernels) <= COMPILE_CHUNK for _, _, kernels in tasks)
     for point, cands in plan:
         for c in cands:
-            compiled = {(kind, cfg, split) for p, block_m, kernels in tasks if (p, block_m) == (point, c.block_m)
-                        for kind, cfg, split in kernels}
-            splits = {g.split_k for g in c.gate_up}
-            assert compiled == {("gate_up", g, 1) for g in c.gate_up} | {("down", d, s) for d in c.down
-                                                                         for s in splits}
+            compiled = [(kind, cfg) for p, block_m, kernels in tasks if (p, block_m) == (point, c.block_m)
+                        for kind, cfg in kernels]
+            assert sorted(compiled, key=repr) == sorted([("gate_up", g) for g in c.gate_up]
+                                                        + [("down", d) for d in c.down], key=repr)
     assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8, 16}  # M=1 is tiny
 
 

@@ -161,6 +161,36 @@ def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, mon
     _check(spec, m, tol=2e-2)
 
 
+@needs_device
+@pytest.mark.parametrize("gemv", [False, True])
+def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
+    """Tiny gate/up split along K: the last program of each N tile to arrive adds the splits up
+    and sets its count back to zero, so the next launch (another split, more tiles) finds them
+    zero and sums the same way: results equal bit for bit, every count zero after each call."""
+    from moe_overlay.backend import Platform
+    from moe_overlay.backends.triton_moe import launch
+    from moe_overlay.backends.triton_moe.backend import TritonBackend
+    from moe_overlay.backends.triton_moe.configs import KernelConfig, LaunchConfig
+    from moe_overlay.layout import to_layout
+
+    spec = SMALL[2]
+    canonical = random_weights(spec, DEVICE, 0)
+    w, ids = random_routing(3, spec, DEVICE, 1)
+    x = random_input(3, spec, DEVICE, 2)
+    t = to_layout(canonical, spec, TritonBackend().layout_for(spec, Platform.of(x.device)))
+    layer = launch.Layer.of(x, t["w13"], spec.top_k, "situ", list(spec.activation.params), False, None)
+    down = KernelConfig(16, 64, 4, 1)
+    outs = []
+    for split, block_n in [(4, 16), (4, 16), (3, 8), (4, 16)]:
+        config = LaunchConfig(16, KernelConfig(block_n, 32, 4, 1 if gemv else 2, split_k=split, gemv=gemv), down)
+        outs.append(launch.fused_experts(layer, x, t["w13"], t["w2"], None, None, w, ids, None, config))
+        assert all(int(c.abs().sum()) == 0 for c in launch._ARRIVALS[x.device])
+    ref = reference_moe(x, canonical["w13"], canonical["w2"], w, ids, spec.quant, spec.activation, False)
+    assert relative_error(outs[0], ref) < 1e-2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
+    assert relative_error(outs[2], outs[0]) < 1e-3
+
+
 @fp8_ok
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("inter", [256, 200])  # block, 200: up tiles straddle 128-row scale blocks (a scale per row)

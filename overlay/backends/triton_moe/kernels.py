@@ -531,7 +531,7 @@ def _k_split(hidden, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
 def gate_up_kernel(
-    x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
+    x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, act_ptr, counts_ptr, topk_weights_ptr,
     ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_routes, num_blocks_m, num_experts, inter, hidden, top_k,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
@@ -541,14 +541,14 @@ def gate_up_kernel(
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
     A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
     columns of I; `w` is `[E, 2I, H]`, gate rows then up rows (_gate_up_pair), or row-interleaved
     (INTERLEAVED: bf16/fp16, see _gate_up_interleaved); TILE_M2 > 0: a second row tile.
-    Tiny mode splits K over program_id(1) (a single expert's GEMV needs more programs than its
-    N tiles give) and stores fp32 gate and up partials, `out[split, route, 2I]`, for the down
-    kernel."""
+    Tiny mode splits K over program_id(1), SPLIT_K programs (a single expert's GEMV needs more
+    programs than its N tiles give), and writes the fp32 activation for the down kernel
+    (_tiny_store: `out` holds the partial sums of a split, `act` the result)."""
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if TINY:
         expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, TILE_M)
@@ -587,20 +587,20 @@ def gate_up_kernel(
             ONE_SCALE, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
     if TILE_M2 > 0:
         _gate_up_store(gate2, up2, routes2, rows2, buffer_rows2, offs_n, n_ok, scale_base, topk_weights_ptr,
-                       out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
-                       TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
+                       out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                       TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT, SPLIT_K)
     _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
-                   out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
-                   TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT)
+                   out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                   TINY, WEIGHT_ON_INPUT, ACTIVATION, W_QUANT, SPLIT_K)
 
 
 @triton.jit
 def gate_up_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    x_ptr, w_ptr, scale_ptr, out_ptr, act_ptr, counts_ptr, topk_weights_ptr, ids_ptr, map_ptr,
     inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
-    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, MX_WORDS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, beta, linear_beta,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
+    MX_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
     matrix-vector product in registers, no tensor cores and no shared memory. With one route
@@ -608,7 +608,7 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows). Writes gate_up_kernel's tiny-mode fp32 partials."""
+    like bf16 rows). Writes gate_up_kernel's tiny-mode fp32 activation (_tiny_store)."""
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -660,25 +660,48 @@ def gate_up_gemv_kernel(
         gate *= route_weight
         up *= route_weight
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_partials(gate, up, out_ptr, route * stride_om + offs_n, offs_n < inter, inter, stride_os)
+    _tiny_store(gate[None, :], up[None, :], route + tl.arange(0, 1), (offs_n < inter)[None, :], offs_n, out_ptr,
+                act_ptr, counts_ptr, inter, stride_os, beta, linear_beta, ACTIVATION, SPLIT_K)
 
 
 @triton.jit
-def _store_partials(gate, up, out_ptr, offsets, mask, inter, stride_os):
-    """Tiny mode's fp32 gate and up sums over this program's share of K, at `out[split, route, n]`
-    and `[.., inter + n]` (`offsets`: route * stride + n); down_tiny_kernel adds the splits up."""
-    out_ptrs = out_ptr + tl.program_id(1) * stride_os + offsets
-    tl.store(out_ptrs, gate, mask=mask)
-    tl.store(out_ptrs + inter, up, mask=mask)
+def _tiny_store(gate, up, routes, mask, offs_n, partial_ptr, act_ptr, counts_ptr, inter, stride_os, beta,
+                linear_beta, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Tiny mode's gate/up result from `[rows, BLOCK_N]` fp32 sums of routes `routes` (`mask`:
+    valid route and column): act(gate, up), fp32, at `act[route, n]` (`[routes, I]`, what
+    down_tiny_kernel reads). With K split over SPLIT_K programs (program_id(1)) each stores its
+    sums at `partials[split, route, n]` and `[.., I + n]` and counts itself in on its N tile's
+    counter (`counts[program_id(0)]`, zero at launch); the last to arrive adds the partials up
+    in split order, whichever program that is, applies the activation and sets the count back
+    to zero for the next launch. So the activation is
+    made once, not again in each of the down's programs from every split's partials (which
+    made the down's cost grow with the split: Kimi-K3 mxfp4 M=1, 16.8 us after an unsplit
+    gate/up, 30.5 after one split 4 ways)."""
+    act_ptrs = act_ptr + routes[:, None] * inter + offs_n[None, :]
+    if SPLIT_K > 1:
+        part_ptrs = partial_ptr + routes[:, None] * (2 * inter) + offs_n[None, :]
+        tl.store(part_ptrs + tl.program_id(1) * stride_os, gate, mask=mask)
+        tl.store(part_ptrs + tl.program_id(1) * stride_os + inter, up, mask=mask)
+        tl.debug_barrier()  # every thread's partials are stored before the count says so (release)
+        if tl.atomic_add(counts_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLIT_K - 1:
+            gate = tl.zeros(gate.shape, dtype=tl.float32)
+            up = tl.zeros(up.shape, dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # from the L2: other programs wrote them
+                gate += tl.load(part_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+                up += tl.load(part_ptrs + split * stride_os + inter, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(act_ptrs, _activate(gate, up, beta, linear_beta, ACTIVATION), mask=mask)
+            tl.store(counts_ptr + tl.program_id(0), 0)
+    else:
+        tl.store(act_ptrs, _activate(gate, up, beta, linear_beta, ACTIVATION), mask=mask)
 
 
 @triton.jit
 def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
-                   out_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
+                   out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr,
-                   W_QUANT: tl.constexpr):
+                   W_QUANT: tl.constexpr, SPLIT_K: tl.constexpr):
     """A row tile's epilogue: weight scales, the router weight on the input, then the
-    activation stored by buffer row, or (tiny mode) the fp32 partials."""
+    activation stored by buffer row, or (tiny mode) as _tiny_store has it."""
     if W_QUANT == W_TENSOR:
         acc_gate *= tl.load(scale_base)
         acc_up *= tl.load(scale_base)
@@ -691,8 +714,8 @@ def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, sc
         acc_up *= route_weight
     store_mask = rows[:, None] & n_ok[None, :]
     if TINY:
-        _store_partials(acc_gate, acc_up, out_ptr, buffer_rows[:, None] * stride_om + offs_n[None, :], store_mask,
-                        inter, stride_os)
+        _tiny_store(acc_gate, acc_up, buffer_rows, store_mask, offs_n, out_ptr, act_ptr, counts_ptr, inter, stride_os,
+                    beta, linear_beta, ACTIVATION, SPLIT_K)
     else:
         out = _activate(acc_gate, acc_up, beta, linear_beta, ACTIVATION)
         out_ptrs = out_ptr + buffer_rows[:, None] * stride_om + offs_n[None, :]
@@ -838,17 +861,16 @@ def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.co
 
 @triton.jit
 def down_tiny_kernel(
-    partial_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    act_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
     hidden, inter, top_k,
-    stride_ps, stride_pr, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    beta, linear_beta,
-    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
+    stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
-    products for all k routes of token t at once (their weight tiles load together), the
-    activation of the summed gate/up partials on the fly, and the top-k sum: no route
+    products for all k routes of token t at once (their weight tiles load together) with
+    the fp32 activations tiny gate/up wrote (`act [routes, I]`), and the top-k sum: no route
     buffer, no extra launch. w8a8 quantises the activation per BLOCK_K group, or with
     A_TOKEN per route over all of I (a first pass over the partials finds each route's max).
     mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows)."""
@@ -866,8 +888,7 @@ def down_tiny_kernel(
     if A_TOKEN:
         amax = tl.zeros([K_PAD], dtype=tl.float32)
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            a = _tiny_activation(partial_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter,
-                                 stride_ps, stride_pr, beta, linear_beta, ACTIVATION, SPLITS)
+            a = _tiny_act(act_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
         token_scale = _scale_of(amax, FP8_MAX)
     acc = tl.zeros([K_PAD, BLOCK_N], dtype=tl.float32)
@@ -886,10 +907,8 @@ def down_tiny_kernel(
             offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
             g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
             scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
-            a_even = _tiny_activation(partial_ptr, routes, here, 2 * offs_b, inter, stride_ps, stride_pr, beta,
-                                      linear_beta, ACTIVATION, SPLITS)
-            a_odd = _tiny_activation(partial_ptr, routes, here, 2 * offs_b + 1, inter, stride_ps, stride_pr, beta,
-                                     linear_beta, ACTIVATION, SPLITS)
+            a_even = _tiny_act(act_ptr, routes, here, 2 * offs_b, inter)
+            a_odd = _tiny_act(act_ptr, routes, here, 2 * offs_b + 1, inter)
             products = tl.reshape(_mx_products(packed, a_even[:, None, :], a_odd[:, None, :]),
                                   [K_PAD * BLOCK_N, BLOCK_K // 2])
             sums = _mx_group_sums(products, tl.reshape(scale, [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP]),
@@ -907,8 +926,7 @@ def down_tiny_kernel(
                 w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
             else:
                 w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
-            a = _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
-                                 ACTIVATION, SPLITS)
+            a = _tiny_act(act_ptr, routes, here, offs_k, inter)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
             elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
@@ -931,18 +949,11 @@ def down_tiny_kernel(
 
 
 @triton.jit
-def _tiny_activation(partial_ptr, routes, here, offs_k, inter, stride_ps, stride_pr, beta, linear_beta,
-                     ACTIVATION: tl.constexpr, SPLITS: tl.constexpr):
-    """down_tiny_kernel's input: the activation of the gate/up partials summed over the K
-    splits, columns `offs_k` of each route (`[K_PAD, BLOCK_K]` fp32; 0 where masked)."""
-    a_ok = here[:, None] & (offs_k < inter)[None, :]
-    a_ptrs = partial_ptr + routes[:, None] * stride_pr + offs_k[None, :]
-    gate = tl.zeros(a_ok.shape, dtype=tl.float32)
-    up = tl.zeros(a_ok.shape, dtype=tl.float32)
-    for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
-        gate += tl.load(a_ptrs + split * stride_ps, mask=a_ok, other=0.0)
-        up += tl.load(a_ptrs + split * stride_ps + inter, mask=a_ok, other=0.0)
-    return _activate(gate, up, beta, linear_beta, ACTIVATION)
+def _tiny_act(act_ptr, routes, here, offs_k, inter):
+    """down_tiny_kernel's input: columns `offs_k` of each route's activation (`[K_PAD, BLOCK_K]`
+    fp32; 0 where masked)."""
+    return tl.load(act_ptr + routes[:, None] * inter + offs_k[None, :], mask=here[:, None] & (offs_k < inter)[None, :],
+                   other=0.0)
 
 
 @triton.jit

@@ -200,13 +200,55 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
     return scale, scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0
 
 
+@dataclass(frozen=True)
+class TinyOut:
+    """Tiny mode's gate/up output: the fp32 activation `[routes, I]` that down_tiny reads, and
+    room for the fp32 partial sums `[split_k, routes, 2I]` of a K split (kernels._tiny_store)."""
+
+    act: torch.Tensor
+    partials: torch.Tensor
+
+    @classmethod
+    def empty(cls, routes: int, inter: int, split_k: int, device: torch.device) -> TinyOut:
+        """Room for any launch of up to `split_k` K splits."""
+        return cls(torch.empty(routes, inter, dtype=torch.float32, device=device),
+                   torch.empty(split_k, routes, 2 * inter, dtype=torch.float32, device=device))
+
+    def split(self, split_k: int) -> torch.Tensor:
+        """The partial sums of a launch split `split_k` ways."""
+        if split_k > self.partials.shape[0]:
+            raise ValueError(f"tiny gate/up scratch holds {self.partials.shape[0]} K splits, not {split_k}")
+        return self.partials[:split_k]
+
+
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counts(programs: int, split_k: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counts for a tiny gate/up launch of `programs` N tiles split
+    `split_k` ways (kernels._tiny_store). Its programs leave them zero (the last of each tile
+    resets its count), so one buffer per device serves every launch after it with no memset
+    (zeroing 400 counts took 4 us a launch in an H200 CUDA graph). A buffer once handed out
+    stays allocated, as a captured graph keeps its address. While a graph is being captured a
+    buffer too small is not replaced: the graph gets a zeroed one of its own. Launches that run
+    at once on two streams of a device would share the counts: tiny mode serves a few routes,
+    which no such overlap splits."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if split_k == 1 or (buffers and buffers[-1].numel() >= programs):
+        return buffers[-1][:programs] if buffers else torch.empty(0, dtype=torch.int32, device=device)
+    counts = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        buffers.append(counts)
+    return counts[:programs]
+
+
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
-    layer: Layer, config: LaunchConfig, out: torch.Tensor,
+    layer: Layer, config: LaunchConfig, out: torch.Tensor | TinyOut,
 ) -> None:
-    """act(x @ w13^T) into `out` by padded sorted position; when tiny (no alignment), fp32
-    gate/up partial sums `[split_k, routes, 2I]` instead (down_tiny applies the activation)."""
+    """act(x @ w13^T) into `out` by padded sorted position; when tiny (no alignment, `out` a
+    TinyOut), into `out.act` by route, in fp32."""
     cfg = config.gate_up
     inter = layer.shape.inter
     ids = topk_ids.reshape(-1)
@@ -222,41 +264,50 @@ def gate_up(
     a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
-    grid = (num_blocks * triton.cdiv(inter, cfg.block_n), cfg.split_k if tiny else 1)
+    split_k = cfg.split_k if tiny else 1
+    grid = (num_blocks * triton.cdiv(inter, cfg.block_n), split_k)
+    if tiny:
+        dest, act, counts = out.split(split_k), out.act, _arrival_counts(grid[0], split_k, x.device)
+    else:
+        dest, counts, act = out, out, out
     tile_m, tile_m2 = row_tiles(config.block_m)
     _launch(
         kernels.gate_up_kernel, grid,
-        x, x_scale, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map, *sorted_args,
+        x, x_scale, w13, scale, dest, act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
+        *sorted_args,
         ids.numel(), num_blocks, w13.shape[0], inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(-2),
-        out.stride(0), layer.beta, layer.linear_beta,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, dest.stride(-2),
+        dest.stride(0), layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
         W_DESC=layer.shape.interleaved and _descriptors(cfg, w13),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
         A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _gate_up_gemv(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
-    ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: torch.Tensor,
+    ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: TinyOut,
 ) -> None:
     """Tiny gate/up as a matrix-vector product per route (kernels.gate_up_gemv_kernel)."""
     if layer.shape.fp8:
         raise ValueError(f"the gemv gate/up reads bf16/fp16 or mxfp4 weights, not {layer.shape.weights}")
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
+    grid = (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k)
+    partials, counts = out.split(cfg.split_k), _arrival_counts(grid[0], cfg.split_k, x.device)
     _launch(
-        kernels.gate_up_gemv_kernel, (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k),
-        x, w13, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        kernels.gate_up_gemv_kernel, grid,
+        x, w13, scale, partials, out.act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
         layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(1), out.stride(0),
-        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
-        MX_WORDS=layer.mx_words, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, partials.stride(0), layer.beta,
+        layer.linear_beta,
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
+        W_QUANT=layer.w_quant, MX_WORDS=layer.mx_words, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -324,11 +375,12 @@ def _down_resident(
 
 
 def down_tiny(
-    partials: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
+    act: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
     out: torch.Tensor,
 ) -> None:
-    """Tiny mode: activation, down projection and top-k sum straight into `out` `[M, H]`."""
+    """Tiny mode: down projection of tiny gate/up's fp32 activation `[routes, I]` and the top-k
+    sum straight into `out` `[M, H]`."""
     cfg = config.down
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
@@ -336,14 +388,13 @@ def down_tiny(
     grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n))
     _launch(
         kernels.down_tiny_kernel, grid,
-        partials, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        act, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
         layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
-        partials.stride(0), partials.stride(1), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
-        layer.beta, layer.linear_beta,
-        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
+        w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
-        SPLITS=partials.shape[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -412,10 +463,9 @@ def fused_experts(
     hidden, inter = layer.shape.hidden, layer.shape.inter
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if is_tiny(num_tokens, top_k):
-        partials = torch.empty(config.gate_up.split_k, num_tokens * top_k, 2 * inter, dtype=torch.float32,
-                               device=x.device)
-        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, partials)
-        down_tiny(partials, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
+        tiny = TinyOut.empty(num_tokens * top_k, inter, config.gate_up.split_k, x.device)
+        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, tiny)
+        down_tiny(tiny.act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
         return out
     alignment = align(topk_ids, expert_map, layer.shape.experts, config.block_m)
     act = torch.empty(alignment.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +182,7 @@ class Candidates:
 
     @property
     def splits(self) -> list[int]:
-        """gate/up's K splits: in tiny mode each is also work of its own for the down kernel."""
+        """gate/up's K splits (tiny mode)."""
         return sorted({g.split_k for g in self.gate_up})
 
 
@@ -238,9 +237,9 @@ class Problem:
                                      spec.quant.activations == "fp8_token")
         self.tiny = is_tiny(point.tokens, spec.top_k)
 
-    def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig, int], None]]:
-        """(run gate/up with a config, run down and the top-k sum with a config after gate/up
-        split K that many ways), each over every routing."""
+    def runners(self, block_m: int) -> tuple[Callable[[KernelConfig], None], Callable[[KernelConfig], None]]:
+        """(run gate/up with a config, run down and the top-k sum with a config), each over
+        every routing."""
         import torch
 
         from . import launch
@@ -249,8 +248,10 @@ class Problem:
         inter, hidden, routes = spec.intermediate_size, spec.hidden_size, self.point.tokens * spec.top_k
         aligns = [None if self.tiny else launch.align(ids, None, spec.num_local_experts, block_m)
                   for _, _, ids in self.inputs]
-        if self.tiny:  # fp32 gate/up partials, room for the largest K split
-            acts = [torch.zeros(MAX_SPLIT_K, routes, 2 * inter, device="cuda") for _ in aligns]
+        if self.tiny:  # room for the largest K split
+            acts = [launch.TinyOut.empty(routes, inter, MAX_SPLIT_K, torch.device("cuda")) for _ in aligns]
+            for tiny in acts:
+                tiny.act.zero_()
         else:
             acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device="cuda") for a in aligns]
         outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device="cuda") for _ in self.inputs]
@@ -258,30 +259,28 @@ class Problem:
         def gate_up(cfg: KernelConfig) -> None:
             config = LaunchConfig(block_m, cfg, cfg)
             for (x, w, ids), a, act in zip(self.inputs, aligns, acts, strict=True):
-                buffer = act[: cfg.split_k] if self.tiny else act
-                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, buffer)
+                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, act)
 
-        def down(cfg: KernelConfig, split_k: int) -> None:
+        def down(cfg: KernelConfig) -> None:
             config = LaunchConfig(block_m, cfg, cfg)
             for (_, w, ids), a, act, out in zip(self.inputs, aligns, acts, outs, strict=True):
                 if a is None:
-                    launch.down_tiny(act[:split_k], t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
+                    launch.down_tiny(act.act, t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
                 else:
                     launch.down_and_sum(act, t["w2"], t.get("w2_scale"), w, ids, None, a, layer, config, out)
 
         return gate_up, down
 
 
-Kernel = tuple[str, KernelConfig, int]  # ("gate_up" | "down", config, gate/up's K split)
+Kernel = tuple[str, KernelConfig]  # ("gate_up" | "down", config)
 
 
 def compile_tasks(plan: list[tuple[Point, list[Candidates]]]) -> list[tuple[Point, int, list[Kernel]]]:
-    """Every kernel to compile, in chunks of COMPILE_CHUNK: (point, block_m, kernels). A tiny
-    down kernel is compiled once per K split of the gate/up candidates (it unrolls over them)."""
+    """Every kernel to compile, in chunks of COMPILE_CHUNK: (point, block_m, kernels)."""
     tasks = []
     for point, cands in plan:
         for c in cands:
-            kernels = [("gate_up", g, 1) for g in c.gate_up] + [("down", d, s) for d in c.down for s in c.splits]
+            kernels = [("gate_up", g) for g in c.gate_up] + [("down", d) for d in c.down]
             tasks += [(point, c.block_m, kernels[i : i + COMPILE_CHUNK]) for i in range(0, len(kernels), COMPILE_CHUNK)]
     return tasks
 
@@ -296,12 +295,9 @@ def _compile(task: tuple[Point, int, list[Kernel]]) -> int:
     failures = 0
     with compile_only():
         gate_up, down = problem.runners(block_m)
-        for kind, cfg, split_k in kernels:
+        for kind, cfg in kernels:
             try:
-                if kind == "gate_up":
-                    gate_up(cfg)
-                else:
-                    down(cfg, split_k)
+                (gate_up if kind == "gate_up" else down)(cfg)
             except Exception:  # e.g. out of shared memory: the timing pass skips it too
                 failures += 1
     return failures
@@ -351,12 +347,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
         for d in c.down:
             kind = point.shape.down_kind(d)
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
+        downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
+                 if (r := _fastest(down, ds, not problem.tiny and point.shape.weights != "mxfp4"))}
         for split in c.splits:
             gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split],
                           not problem.tiny and point.shape.interleaved)
-            downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
-                     if (r := _fastest(partial(down, split_k=split), ds,
-                                       not problem.tiny and point.shape.weights != "mxfp4"))}
             if gu is None or not downs:
                 continue
             down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
