@@ -138,6 +138,9 @@ UNUSUAL = {
     "sorted-split-8": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "block_n": 64, "n_split": 8}}, 40),
     "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
+    # the down's routes shared by 2 programs a token (k=1 layers: one program, the split has nothing to share)
+    "tiny-down-split": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
+                         "down": {**KERNEL, "block_k": 64, "split_k": 2}}, 5),
     "tiny-descriptors": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 4, "descriptors": True},
                           "down": {**KERNEL, "block_k": 64}}, 5),
     "sorted-descriptors": ({"block_m": 32, "gate_up": {**KERNEL, "descriptors": True},
@@ -164,9 +167,10 @@ def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, mon
 @needs_device
 @pytest.mark.parametrize("gemv", [False, True])
 def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
-    """Tiny gate/up split along K: the last program of each N tile to arrive adds the splits up
-    and sets its count back to zero, so the next launch (another split, more tiles) finds them
-    zero and sums the same way: results equal bit for bit, every count zero after each call."""
+    """Tiny gate/up split along K, and the down's routes split over programs: the last program
+    of each tile to arrive adds the splits up and sets its count back to zero, so the next
+    launch (another split, more tiles) finds them zero and sums the same way: results equal
+    bit for bit, every count zero after each call."""
     from moe_overlay.backend import Platform
     from moe_overlay.backends.triton_moe import launch
     from moe_overlay.backends.triton_moe.backend import TritonBackend
@@ -179,10 +183,10 @@ def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
     x = random_input(3, spec, DEVICE, 2)
     t = to_layout(canonical, spec, TritonBackend().layout_for(spec, Platform.of(x.device)))
     layer = launch.Layer.of(x, t["w13"], spec.top_k, "situ", list(spec.activation.params), False, None)
-    down = KernelConfig(16, 64, 4, 1)
     outs = []
-    for split, block_n in [(4, 16), (4, 16), (3, 8), (4, 16)]:
-        config = LaunchConfig(16, KernelConfig(block_n, 32, 4, 1 if gemv else 2, split_k=split, gemv=gemv), down)
+    for split, block_n, down_split in [(4, 16, 2), (4, 16, 2), (3, 8, 4), (4, 16, 2)]:
+        config = LaunchConfig(16, KernelConfig(block_n, 32, 4, 1 if gemv else 2, split_k=split, gemv=gemv),
+                              KernelConfig(16, 64, 4, 1, split_k=down_split))
         outs.append(launch.fused_experts(layer, x, t["w13"], t["w2"], None, None, w, ids, None, config))
         assert all(int(c.abs().sum()) == 0 for c in launch._ARRIVALS[x.device])
     ref = reference_moe(x, canonical["w13"], canonical["w2"], w, ids, spec.quant, spec.activation, False)

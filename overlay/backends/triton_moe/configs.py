@@ -38,7 +38,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     group_m: int = 1
-    split_k: int = 1  # tiny gate/up only: programs per expert and N tile along K
+    split_k: int = 1  # tiny mode: gate/up programs per expert and N tile along K; down, per token and N tile
     n_split: int = 0  # general down only, > 0: programs per row tile, each walking its share of the N tiles
     # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed)
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route

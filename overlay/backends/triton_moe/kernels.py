@@ -682,17 +682,34 @@ def _tiny_store(gate, up, routes, mask, offs_n, partial_ptr, act_ptr, counts_ptr
         part_ptrs = partial_ptr + routes[:, None] * (2 * inter) + offs_n[None, :]
         tl.store(part_ptrs + tl.program_id(1) * stride_os, gate, mask=mask)
         tl.store(part_ptrs + tl.program_id(1) * stride_os + inter, up, mask=mask)
-        tl.debug_barrier()  # every thread's partials are stored before the count says so (release)
-        if tl.atomic_add(counts_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLIT_K - 1:
-            gate = tl.zeros(gate.shape, dtype=tl.float32)
-            up = tl.zeros(up.shape, dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):  # from the L2: other programs wrote them
-                gate += tl.load(part_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
-                up += tl.load(part_ptrs + split * stride_os + inter, mask=mask, other=0.0, cache_modifier=".cg")
+        if _last_to_arrive(counts_ptr, tl.program_id(0), SPLIT_K):
+            gate = _sum_splits(part_ptrs, stride_os, mask, SPLIT_K)
+            up = _sum_splits(part_ptrs + inter, stride_os, mask, SPLIT_K)
             tl.store(act_ptrs, _activate(gate, up, beta, linear_beta, ACTIVATION), mask=mask)
-            tl.store(counts_ptr + tl.program_id(0), 0)
     else:
         tl.store(act_ptrs, _activate(gate, up, beta, linear_beta, ACTIVATION), mask=mask)
+
+
+@triton.jit
+def _last_to_arrive(counts_ptr, index, SPLITS: tl.constexpr):
+    """Whether this program, its partial sums stored, is the last of SPLITS to count in on
+    `counts[index]`; the last one sets the count back to zero for the next launch. The
+    barrier has every thread's stores made before the count says so (the atomic releases
+    them), and the atomic acquires the others' for the last program's reads."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counts_ptr + index, 1, sem="acq_rel") == SPLITS - 1
+    tl.store(counts_ptr + index, 0, mask=last)
+    return last
+
+
+@triton.jit
+def _sum_splits(ptrs, stride, mask, SPLITS: tl.constexpr):
+    """The fp32 partial sums at `ptrs + split * stride` added up in split order (the same sums
+    whichever program adds them), read from the L2: other programs wrote them."""
+    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(ptrs + split * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -861,22 +878,26 @@ def _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT: tl.co
 
 @triton.jit
 def down_tiny_kernel(
-    act_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    act_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr, counts_ptr, topk_weights_ptr, ids_ptr, map_ptr,
     hidden, inter, top_k,
-    stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_ps,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ROUTE_SPLIT: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together) with
     the fp32 activations tiny gate/up wrote (`act [routes, I]`), and the top-k sum: no route
     buffer, no extra launch. w8a8 quantises the activation per BLOCK_K group, or with
     A_TOKEN per route over all of I (a first pass over the partials finds each route's max).
-    mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows)."""
+    mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows).
+    ROUTE_SPLIT > 1: the token's routes shared by that many programs (program_id(2)), K_PAD
+    each; each stores its fp32 sum at `partials[split, t, n]` and the last of them to arrive
+    (_last_to_arrive) adds them up in order: more programs at once where one token's H /
+    BLOCK_N programs leave multiprocessors idle."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, K_PAD)
+    offs_j = tl.program_id(2) * K_PAD + tl.arange(0, K_PAD)
     n_ok = offs_n < hidden
     routes = token * top_k + offs_j
     local = _local_expert(ids_ptr, map_ptr, routes, offs_j < top_k, HAS_MAP)
@@ -945,7 +966,14 @@ def down_tiny_kernel(
     if not WEIGHT_ON_INPUT:
         acc *= tl.load(topk_weights_ptr + routes, mask=here, other=0.0)[:, None]
     out = tl.sum(tl.where(here[:, None], acc, 0.0), axis=0)
-    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if ROUTE_SPLIT > 1:
+        part_ptrs = partial_ptr + token * hidden + offs_n
+        tl.store(part_ptrs + tl.program_id(2) * stride_ps, out, mask=n_ok)
+        if _last_to_arrive(counts_ptr, token * tl.num_programs(1) + tl.program_id(1), ROUTE_SPLIT):
+            out = _sum_splits(part_ptrs, stride_ps, n_ok, ROUTE_SPLIT)
+            tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit

@@ -234,8 +234,8 @@ def _arrival_counts(programs: int, split_k: int, device: torch.device) -> torch.
     at once on two streams of a device would share the counts: tiny mode serves a few routes,
     which no such overlap splits."""
     buffers = _ARRIVALS.setdefault(device, [])
-    if split_k == 1 or (buffers and buffers[-1].numel() >= programs):
-        return buffers[-1][:programs] if buffers else torch.empty(0, dtype=torch.int32, device=device)
+    if buffers and (split_k == 1 or buffers[-1].numel() >= programs):
+        return buffers[-1][:programs]  # unsplit launches read none: any buffer stands in
     counts = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         buffers.append(counts)
@@ -380,20 +380,24 @@ def down_tiny(
     out: torch.Tensor,
 ) -> None:
     """Tiny mode: down projection of tiny gate/up's fp32 activation `[routes, I]` and the top-k
-    sum straight into `out` `[M, H]`."""
+    sum straight into `out` `[M, H]`; the entry's split_k programs share each token's routes."""
     cfg = config.down
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
     ids = topk_ids.reshape(-1)
-    grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n))
+    k_pad = triton.next_power_of_2(layer.shape.top_k)
+    split = min(cfg.split_k, k_pad)
+    grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n), split)
+    partials = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device) if split > 1 else out
     _launch(
         kernels.down_tiny_kernel, grid,
-        act, w2, scale, out, topk_weights, ids, ids if expert_map is None else expert_map,
+        act, w2, scale, out, partials, _arrival_counts(grid[0] * grid[1], split, out.device), topk_weights, ids,
+        ids if expert_map is None else expert_map,
         layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
-        w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+        w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0), out.numel(),
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=triton.next_power_of_2(layer.shape.top_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=k_pad // split, ROUTE_SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

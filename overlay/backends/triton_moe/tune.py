@@ -163,15 +163,16 @@ def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> li
 
 
 def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
-    """Matrix-vector products of all k routes at once: [k, BLOCK_N, BLOCK_K] weight tiles and
-    [k, BLOCK_K] gate/up sums in registers. Wide BLOCK_K (up to all of I) keeps enough bytes
-    in flight when few programs run (one token: H / BLOCK_N programs). One stage: no dot, so
-    nothing for Triton to pipeline."""
+    """Matrix-vector products of a token's routes at once: [routes, BLOCK_N, BLOCK_K] weight
+    tiles and [routes, BLOCK_K] activations in registers, the routes all k or shared by 2 or 4
+    programs (split_k: more programs where one token's H / BLOCK_N leave multiprocessors
+    idle). Wide BLOCK_K (up to all of I) keeps enough bytes in flight when few programs run.
+    One stage: no dot, so nothing for Triton to pipeline."""
     widest = min(1024, 1 << (inter - 1).bit_length())
     block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
     k_pad = 1 << (top_k - 1).bit_length()
-    return [KernelConfig(n, k, w, 1) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
-            if k_pad * n * k // (32 * w) <= REG_BUDGET]
+    return [KernelConfig(n, k, w, 1, split_k=split) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
+            for split in (1, 2, 4) if split <= k_pad and k_pad // split * n * k // (32 * w) <= REG_BUDGET]
 
 
 @dataclass(frozen=True)
