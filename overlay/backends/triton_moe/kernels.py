@@ -673,10 +673,9 @@ def _tiny_store(gate, up, routes, mask, offs_n, partial_ptr, act_ptr, counts_ptr
     sums at `partials[split, route, n]` and `[.., I + n]` and counts itself in on its N tile's
     counter (`counts[program_id(0)]`, zero at launch); the last to arrive adds the partials up
     in split order, whichever program that is, applies the activation and sets the count back
-    to zero for the next launch. So the activation is
-    made once, not again in each of the down's programs from every split's partials (which
-    made the down's cost grow with the split: Kimi-K3 mxfp4 M=1, 16.8 us after an unsplit
-    gate/up, 30.5 after one split 4 ways)."""
+    to zero for the next launch. So the activation is made once, not again in each of the
+    down's programs from every split's partials (which made the down's cost grow with the
+    split: Kimi-K3 mxfp4 M=1, 16.8 us after an unsplit gate/up, 30.5 after one split 4 ways)."""
     act_ptrs = act_ptr + routes[:, None] * inter + offs_n[None, :]
     if SPLIT_K > 1:
         part_ptrs = partial_ptr + routes[:, None] * (2 * inter) + offs_n[None, :]

@@ -225,10 +225,11 @@ _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _arrival_counts(programs: int, split_k: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counts for a tiny gate/up launch of `programs` N tiles split
-    `split_k` ways (kernels._tiny_store). Its programs leave them zero (the last of each tile
-    resets its count), so one buffer per device serves every launch after it with no memset
-    (zeroing 400 counts took 4 us a launch in an H200 CUDA graph). A buffer once handed out
+    """Zeroed int32 arrival counts for a tiny launch of `programs` tiles, each split `split_k`
+    ways (kernels._last_to_arrive: the gate/up's K, the down's routes). Its programs leave them
+    zero (the last of each tile resets its count), so one buffer per device serves every launch
+    after it with no memset (zeroing 400 counts took 2-4 us a launch in an H200 CUDA graph; the
+    down reuses the counts its gate/up left zero). A buffer once handed out
     stays allocated, as a captured graph keeps its address. While a graph is being captured a
     buffer too small is not replaced: the graph gets a zeroed one of its own. Launches that run
     at once on two streams of a device would share the counts: tiny mode serves a few routes,
