@@ -56,32 +56,34 @@ LAUNCHES = {
 }
 
 
-def _compile() -> dict[str, list[str]]:
-    """TTGIR of every kernel the launches compiled, by kernel name."""
+def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: int) -> dict[str, list[dict]]:
+    """Every kernel the launches compiled for sm_<arch> (its `asm`: TTGIR, PTX, ... and
+    `launch_pdl`, Triton's launch option), by kernel name."""
     assert mo.get_backend("triton").layout_for(SPEC, HOPPER) == mo.Layout("triton", mx_words=True)
     tensors = to_layout(random_weights(SPEC, "cpu", seed=0), SPEC, mo.Layout("triton", mx_words=True))
     x1 = random_input(1, SPEC, "cpu", seed=1)
     layer = launch.Layer.of(x1, tensors["w13"], SPEC.top_k, SPEC.activation.kind, list(SPEC.activation.params),
                             False, None)
     assert layer.mx_words and layer.shape.weights == "mxfp4"
-    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), DEVICE))
+    driver.set_active(AbsentGpu(GPUTarget("cuda", arch, 32), device))
     try:
-        for m, config in LAUNCHES.values():
+        for m, config in launches.values():
             weights, ids = random_routing(m, SPEC, "cpu", seed=2)
             with launch.compile_only():
                 launch.fused_experts(layer, random_input(m, SPEC, "cpu", seed=3), tensors["w13"], tensors["w2"],
                                      tensors["w13_scale"], tensors["w2_scale"], weights, ids, None, config)
     finally:
         driver.set_active(None)
-    compiled: dict[str, list[str]] = {}
+    compiled: dict[str, list[dict]] = {}
     for name in ("gate_up_kernel", "gate_up_gemv_kernel", "down_kernel", "down_tiny_kernel"):
         fn = getattr(kernels, name)
-        compiled[name] = [k.asm["ttgir"] for k in fn.device_caches.get(DEVICE, ({},))[0].values()]
+        compiled[name] = [{**k.asm, "launch_pdl": k.metadata.launch_pdl}
+                          for k in fn.device_caches.get(device, ({},))[0].values()]
     return compiled
 
 
 def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers():
-    compiled = _compile()
+    compiled = {name: [k["ttgir"] for k in ks] for name, ks in _compile(LAUNCHES, 90, DEVICE).items()}
     assert {name: len(irs) for name, irs in compiled.items()} == {
         "gate_up_kernel": 4, "gate_up_gemv_kernel": 1, "down_kernel": 4, "down_tiny_kernel": 2}
     for name in ("gate_up_kernel", "down_kernel"):
@@ -98,3 +100,29 @@ def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers
             if re.search(r'"ttg\.num-warps" = 4 ', ir):
                 copies = [line for line in re.findall(r"async_copy_global_to_local[^\n]*", ir) if "ptr<i32>" in line]
                 assert copies and all("contiguity = 4 " in line for line in copies), f"{name}: {copies}"
+
+
+PDL_LAUNCHES = {  # one token, the down started by programmatic dependent launch, after either gate/up
+    "dot": (1, _config(16, {"block_n": 16, "block_k": 128, "split_k": 2}, {"block_n": 16, "pdl": True})),
+    "gemv": (1, _config(16, {"block_n": 16, "block_k": 256, "split_k": 2, "gemv": True, "num_stages": 1},
+                        {"block_n": 32, "block_k": 128, "pdl": True})),
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 1), (80, DEVICE + 2)], ids=["sm_90", "sm_80"])
+def test_one_token_pdl_entries_chain_their_launches_from_hopper_on(arch, device):
+    """Hopper: each gate/up program lets the down start (griddepcontrol.launch_dependents), the
+    down is launched so (Triton's launch_pdl) and waits before it reads the activation
+    (griddepcontrol.wait), its first weight tile asked for before; Ampere has no PDL: the same
+    entries compile to plain launches."""
+    compiled = _compile(PDL_LAUNCHES, arch, device)
+    gate_ups = compiled["gate_up_kernel"] + compiled["gate_up_gemv_kernel"]
+    assert len(gate_ups) == 2 and len(compiled["down_tiny_kernel"]) == 2
+    hopper = arch >= 90
+    for k in gate_ups:
+        assert ("griddepcontrol.launch_dependents" in k["ptx"]) == hopper and not k["launch_pdl"]
+    for k in compiled["down_tiny_kernel"]:
+        assert k["launch_pdl"] == hopper and ("griddepcontrol.wait" in k["ptx"]) == hopper
+        if hopper:
+            before_wait = k["ptx"].split("griddepcontrol.wait")[0]
+            assert re.search(r"ld\.global\.v\d\.b32", before_wait), "the words' load comes after the wait"

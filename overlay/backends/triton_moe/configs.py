@@ -43,6 +43,7 @@ class KernelConfig:
     # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed)
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
+    pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The Triton kernels of the fused-experts backend. Plain `tl` only: no inline PTX, no
-vendor intrinsics, so ROCm's Triton compiles the same source; vendors differ only in the
-launch configuration (configs.py).
+vendor intrinsics, so ROCm's Triton compiles the same source; vendors differ in the launch
+configuration (configs.py) and, on NVIDIA from Hopper on, in tiny mode's programmatic
+dependent launch (PDL: Triton's grid dependency control, a constexpr branch ROCm never
+compiles).
 
 Weights stay in the canonical `[E, N, K]` (K contiguous), which both wgmma (Hopper, and
 required for fp8) and MFMA read as is; gate and up are two B tiles of one program, so the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import layout
 
@@ -537,7 +540,7 @@ def gate_up_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     beta, linear_beta,
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
-    W_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, PDL: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
     A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
@@ -548,7 +551,9 @@ def gate_up_kernel(
     (INTERLEAVED: bf16/fp16, see _gate_up_interleaved); TILE_M2 > 0: a second row tile.
     Tiny mode splits K over program_id(1), SPLIT_K programs (a single expert's GEMV needs more
     programs than its N tiles give), and writes the fp32 activation for the down kernel
-    (_tiny_store: `out` holds the partial sums of a split, `act` the result)."""
+    (_tiny_store: `out` holds the partial sums of a split, `act` the result). PDL: the down
+    kernel may launch once every program here has started (_let_next_start)."""
+    _let_next_start(PDL)
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if TINY:
         expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, TILE_M)
@@ -600,7 +605,8 @@ def gate_up_gemv_kernel(
     inter, hidden, top_k,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
-    MX_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    MX_WORDS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
     matrix-vector product in registers, no tensor cores and no shared memory. With one route
@@ -608,7 +614,8 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows). Writes gate_up_kernel's tiny-mode fp32 activation (_tiny_store)."""
+    like bf16 rows). Writes gate_up_kernel's tiny-mode fp32 activation (_tiny_store); PDL as there."""
+    _let_next_start(PDL)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -709,6 +716,23 @@ def _sum_splits(ptrs, stride, mask, SPLITS: tl.constexpr):
     for split in tl.static_range(1, SPLITS):
         total += tl.load(ptrs + split * stride, mask=mask, other=0.0, cache_modifier=".cg")
     return total
+
+
+@triton.jit
+def _let_next_start(PDL: tl.constexpr):
+    """PDL: the launch after this one (made with launch_pdl) may start its programs once every
+    program of this one has passed here; they read nothing of this launch before _await_previous."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _await_previous(PDL: tl.constexpr):
+    """PDL: wait until the launch before this one has finished and its writes are visible (at
+    once after the first time). Reads of what it wrote come after this; loads of weights issued
+    before it overlap the previous launch's last programs."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -881,7 +905,7 @@ def down_tiny_kernel(
     hidden, inter, top_k,
     stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_ps,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ROUTE_SPLIT: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
@@ -893,7 +917,9 @@ def down_tiny_kernel(
     ROUTE_SPLIT > 1: the token's routes shared by that many programs (program_id(2)), K_PAD
     each; each stores its fp32 sum at `partials[split, t, n]` and the last of them to arrive
     (_last_to_arrive) adds them up in order: more programs at once where one token's H /
-    BLOCK_N programs leave multiprocessors idle."""
+    BLOCK_N programs leave multiprocessors idle. PDL (launched with launch_pdl after the tiny
+    gate/up): programs start while the gate/up's last ones run, load their first weight tile
+    and wait for the gate/up to finish before reading the activation (_await_previous)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.program_id(2) * K_PAD + tl.arange(0, K_PAD)
@@ -906,6 +932,7 @@ def down_tiny_kernel(
     w_ok = here[:, None, None] & n_ok[None, :, None]
     scale_base = scale_ptr + experts * stride_se  # [K_PAD]
     if A_TOKEN:
+        _await_previous(PDL)
         amax = tl.zeros([K_PAD], dtype=tl.float32)
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
             a = _tiny_act(act_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter)
@@ -927,6 +954,7 @@ def down_tiny_kernel(
             offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
             g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
             scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
+            _await_previous(PDL)
             a_even = _tiny_act(act_ptr, routes, here, 2 * offs_b, inter)
             a_odd = _tiny_act(act_ptr, routes, here, 2 * offs_b + 1, inter)
             products = tl.reshape(_mx_products(packed, a_even[:, None, :], a_odd[:, None, :]),
@@ -946,6 +974,7 @@ def down_tiny_kernel(
                 w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
             else:
                 w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+            _await_previous(PDL)
             a = _tiny_act(act_ptr, routes, here, offs_k, inter)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
