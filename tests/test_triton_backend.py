@@ -339,7 +339,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_pa
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
     layer = launch.Layer(shapes[1])
     with pytest.raises(ValueError, match="bf16/fp16 or mxfp4 weights, not fp8-block"):
-        launch._gate_up_gemv(*(torch.empty(1),) * 6, layer, bf16.gate_up, torch.empty(1))
+        launch._gate_up_gemv(*(torch.empty(1),) * 6, layer, bf16.gate_up, torch.empty(1), False)
 
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
@@ -358,6 +358,37 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypa
     assert not launch._descriptors(asked, w.transpose(1, 2))  # asked for, but the weight rules them out
     monkeypatch.delattr(tl, "make_tensor_descriptor")  # a Triton from before them
     assert not weight_descriptors(w)
+
+
+def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(monkeypatch):
+    """Tiny points: the chosen pair timed as one layer, its down started by programmatic
+    dependent launch and not (only where the GPU has it), the faster kept in the entry."""
+    from moe_overlay.backends.triton_moe import launch, timing, tune
+
+    seconds = {False: 4.0, True: 3.0}
+    ran = []
+
+    class Layer:
+        def run_layer(self, config):
+            ran.append(config)
+
+    def fake_seconds(fn, **_):
+        fn()
+        return seconds[ran[-1].down.pdl]
+
+    monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
+    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
+    config = configs.LaunchConfig.from_json(_entry(16))
+    kinds = []
+    best, s = tune._with_pdl(Layer(), config, kinds)
+    assert best.down.pdl and s == 3.0 and best.gate_up == config.gate_up
+    assert [c.down.pdl for c in ran] == [False, True] and kinds == [f"layer: no PDL {1e6:.1f} us, PDL {0.75e6:.1f} us"]
+    seconds[True] = 5.0
+    assert tune._with_pdl(Layer(), config, [])[0] == config  # slower with PDL: left off
+    ran.clear()
+    monkeypatch.setattr(launch, "uses_pdl", lambda config: False)  # no PDL on this GPU: timed once, plain
+    assert tune._with_pdl(Layer(), config, []) == (config, 4.0) and len(ran) == 1
+    assert configs.LaunchConfig.from_json(best.to_json()) == best
 
 
 def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):
