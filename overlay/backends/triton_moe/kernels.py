@@ -1,8 +1,7 @@
-"""The Triton kernels of the fused-experts backend. Plain `tl` only: no inline PTX, no
-vendor intrinsics, so ROCm's Triton compiles the same source; vendors differ in the launch
-configuration (configs.py) and, on NVIDIA from Hopper on, in tiny mode's programmatic
-dependent launch (PDL: Triton's grid dependency control, a constexpr branch ROCm never
-compiles).
+"""The Triton kernels of the fused-experts backend. Plain `tl`, no inline PTX, so ROCm's Triton
+compiles the same source; vendors differ in the launch configuration (configs.py) and in one
+NVIDIA feature, tiny mode's programmatic dependent launch (PDL: Triton's CUDA grid dependency
+control, in constexpr branches that ROCm and pre-Hopper GPUs never compile).
 
 Weights stay in the canonical `[E, N, K]` (K contiguous), which both wgmma (Hopper, and
 required for fp8) and MFMA read as is; gate and up are two B tiles of one program, so the
