@@ -54,6 +54,9 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     gives them there: fitted to the target's shared memory), and the other kernels and tilings
     the tuner can pick, fitted alike."""
     tiny, general, wide = (launch.launch_config(layer.shape, x.device, m) for m in (1, 64, 1024))
+    # the one-token down as an H200 entry may ask for it: started by programmatic dependent launch,
+    # an NVIDIA feature, which AMD launches leave out (Triton's HIP options have no launch_pdl)
+    tiny = dataclasses.replace(tiny, down=dataclasses.replace(tiny.down, pdl=True))
     runs = {"one token": (1, tiny), "64 tokens": (64, general), "1024 tokens": (1024, wide),
             "64 tokens, down over N tiles": (64, dataclasses.replace(
                 general, down=dataclasses.replace(general.down, n_split=2)))}
