@@ -246,8 +246,8 @@ def _arrival_counts(programs: int, split_k: int, device: torch.device) -> torch.
 def uses_pdl(config: LaunchConfig) -> bool:
     """Whether tiny mode chains its gate/up and down by programmatic dependent launch
     (kernels._let_next_start, _await_previous): the down's entry asks, and the kernels compile
-    for NVIDIA from Hopper (sm_90) on, not in Triton's interpreter. Measured per entry (an
-    H200 at M=1: 1-2 us faster for most layers, 1 us slower for Kimi-K3's bf16 one)."""
+    for NVIDIA from Hopper (sm_90) on, not in Triton's interpreter. Entries choose it by
+    measurement (tune._with_pdl): it slows some layers."""
     if not (config.down.pdl and isinstance(kernels.down_tiny_kernel, triton.runtime.jit.JITFunction)):
         return False
     target = triton.runtime.driver.active.get_current_target()

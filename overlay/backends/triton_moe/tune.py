@@ -381,20 +381,16 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
 
 def _with_pdl(problem: Problem, config: LaunchConfig, kinds: list[str]) -> tuple[LaunchConfig, float]:
     """Tiny mode's pair of launches timed together, the down started by programmatic dependent
-    launch and not (where the GPU has it: launch._pdl), the faster kept. Its gain is an overlap
-    the kernels' separate timings cannot show: on an H200 1-2 us for most one-token layers,
-    and a loss of 1 us for Kimi-K3's bf16 one."""
+    launch and not (where the GPU has it: launch.uses_pdl), the faster kept. Its gain is an
+    overlap the kernels' separate timings cannot show: on an H200 1-2 us for most one-token
+    layers, and a loss of 1 us for Kimi-K3's bf16 one."""
     from . import launch
-    from .timing import graph_replay_seconds
 
     variants = [replace(config, down=replace(config.down, pdl=pdl)) for pdl in (False, True)]
-    if not launch.uses_pdl(variants[1]):
-        variants = variants[:1]
-    timed = [(c, graph_replay_seconds(lambda c=c: problem.run_layer(c), replays=10, warmup_s=0.01, min_timed_s=0.01))
-             for c in variants]
+    timed = _timed(problem.run_layer, variants if launch.uses_pdl(variants[1]) else variants[:1])
     kinds.append("layer: " + ", ".join(f"{'PDL' if c.down.pdl else 'no PDL'} {s / ROUTINGS * 1e6:.1f} us"
-                                       for c, s in timed))
-    return min(timed, key=lambda r: r[1])
+                                       for c, s in sorted(timed, key=lambda r: r[0].down.pdl)))
+    return timed[0]
 
 
 def run(args: argparse.Namespace) -> int:
