@@ -342,6 +342,57 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_pa
         launch._gate_up_gemv(*(torch.empty(1),) * 6, layer, bf16.gate_up, torch.empty(1), False)
 
 
+def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    def kernels(model, weights, tokens):
+        args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
+        return [(c.block_m, k) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+                for k in c.gate_up + c.down]
+
+    for weights, tokens in (("fp8-block", 1), ("fp8-block", 1024), ("fp8-channel-token", 16)):
+        model = "Maverick" if weights == "fp8-channel-token" else "DeepSeek-V3"
+        left = [(m, k) for m, k in kernels(model, weights, tokens) if k.weight_left]
+        # row tiles under 64 (a block of 48's down runs 16 rows a program), weight rows filling wgmma's M
+        assert left and all(m <= 48 and k.num_warps >= 4 and k.block_n >= 16 * k.num_warps for m, k in left)
+        plain = {replace(k, weight_left=False) for m, k in kernels(model, weights, tokens) if not k.weight_left}
+        assert {replace(k, weight_left=False) for _, k in left if k.num_warps == 4} <= plain  # each timed both ways
+    assert not any(k.weight_left for _, k in kernels("DeepSeek-V3", "fp8-block", 8192))
+    assert not any(k.weight_left for _, k in kernels("DeepSeek-V3", "bf16", 1024) + kernels("Kimi-K3", "mxfp4", 1))
+
+    entry = {"block_m": 16, "gate_up": {**_entry(16)["gate_up"], "weight_left": True},
+             "down": {**_entry(16)["down"], "weight_left": True}}
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"64": entry} for s in shapes}})))
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 64) for s in shapes)
+    assert not (bf16.gate_up.weight_left or bf16.down.weight_left)  # no fp8 dot to turn
+    assert fp8.gate_up.weight_left and fp8.down.weight_left
+    assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.weight_left  # entries from before it
+    # the kernels turn the dot where the entry asks, for fp8 tiles of under 64 rows, compiled for NVIDIA sm_90+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from tests.absent_gpu import AbsentGpu
+
+    def left(layer, cfg, rows, target):
+        driver.set_active(AbsentGpu(target, 0))
+        try:
+            return launch.weight_left(layer, cfg, rows)
+        finally:
+            driver.set_active(None)
+
+    layer, hopper = launch.Layer(shapes[1], granularity="block"), GPUTarget("cuda", 90, 32)
+    compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    assert left(layer, fp8.gate_up, 32, hopper) == compiled
+    assert not left(layer, fp8.gate_up, 64, hopper)
+    assert not left(layer, replace(fp8.gate_up, weight_left=False), 16, hopper)
+    assert not left(launch.Layer(shapes[0]), fp8.gate_up, 16, hopper)
+    assert not left(layer, fp8.gate_up, 16, GPUTarget("cuda", 89, 32))
+    assert not left(layer, fp8.gate_up, 16, GPUTarget("hip", "gfx942", 64))
+
+
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
     tl = pytest.importorskip("triton.language")
     from moe_overlay.backends.triton_moe import launch

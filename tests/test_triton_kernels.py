@@ -150,14 +150,24 @@ UNUSUAL = {
                             "down": {**KERNEL, "descriptors": True}}, 40),
     "sorted-three-tiles-resident-descriptors": ({"block_m": 48, "gate_up": {**KERNEL, "descriptors": True},
                                                  "down": {**KERNEL, "n_split": 2, "descriptors": True}}, 150),
+    # fp8 dots of 16 or 32 rows, the weight tile the left operand (wgmma's M; NVIDIA sm_90+, elsewhere as written)
+    "tiny-weight-left": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 64, "split_k": 2, "weight_left": True},
+                          "down": {**KERNEL, "block_k": 64}}, 5),
+    "sorted-weight-left": ({"block_m": 32, "gate_up": {**KERNEL, "block_n": 64, "weight_left": True},
+                            "down": {**KERNEL, "block_n": 64, "n_split": 2, "weight_left": True}}, 40),
+    "sorted-three-tiles-weight-left": ({"block_m": 48, "gate_up": {**KERNEL, "block_n": 64, "weight_left": True},
+                                       "down": {**KERNEL, "block_n": 64, "weight_left": True}}, 150),
 }
 UNALIGNED = mo.MoESpec(8, 100, 36, 2, dtype=DTYPE)  # 200- and 72-byte weight rows
 
 
 @needs_device
 @pytest.mark.parametrize("spec", [SMALL[1], SMALL[2], SMALL[4], SMALL[5], UNALIGNED, MXFP4_SMALL[0],
-                                  pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok)],
-                         ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "unaligned", "mxfp4", "fp8-block"])
+                                  pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok),
+                                  pytest.param(with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-channel-token"),
+                                               marks=fp8_ok)],
+                         ids=["odd-sizes", "situ", "k1-oninput-ep", "k3-ep", "unaligned", "mxfp4", "fp8-block",
+                              "fp8-channel-token"])
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
     entry, m = UNUSUAL[variant]

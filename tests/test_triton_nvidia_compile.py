@@ -56,22 +56,23 @@ LAUNCHES = {
 }
 
 
-def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: int) -> dict[str, list[dict]]:
-    """Every kernel the launches compiled for sm_<arch> (its `asm`: TTGIR, PTX, ... and
-    `launch_pdl`, Triton's launch option), by kernel name."""
-    assert mo.get_backend("triton").layout_for(SPEC, HOPPER) == mo.Layout("triton", mx_words=True)
-    tensors = to_layout(random_weights(SPEC, "cpu", seed=0), SPEC, mo.Layout("triton", mx_words=True))
-    x1 = random_input(1, SPEC, "cpu", seed=1)
-    layer = launch.Layer.of(x1, tensors["w13"], SPEC.top_k, SPEC.activation.kind, list(SPEC.activation.params),
-                            False, None)
-    assert layer.mx_words and layer.shape.weights == "mxfp4"
+def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: int,
+             spec: mo.MoESpec = SPEC) -> dict[str, list[dict]]:
+    """Every kernel the launches of `spec`'s layer (mxfp4 by default) compiled for sm_<arch>
+    (its `asm`: TTGIR, PTX, ... and `launch_pdl`, Triton's launch option), by kernel name."""
+    layout = mo.get_backend("triton").layout_for(spec, HOPPER)
+    tensors = to_layout(random_weights(spec, "cpu", seed=0), spec, layout)
+    x1 = random_input(1, spec, "cpu", seed=1)
+    layer = launch.Layer.of(x1, tensors["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+                            False, spec.quant.granularity)
+    assert layer.mx_words == (spec.quant.weights == "mxfp4")
     driver.set_active(AbsentGpu(GPUTarget("cuda", arch, 32), device))
     try:
         for m, config in launches.values():
-            weights, ids = random_routing(m, SPEC, "cpu", seed=2)
+            weights, ids = random_routing(m, spec, "cpu", seed=2)
             with launch.compile_only():
-                launch.fused_experts(layer, random_input(m, SPEC, "cpu", seed=3), tensors["w13"], tensors["w2"],
-                                     tensors["w13_scale"], tensors["w2_scale"], weights, ids, None, config)
+                launch.fused_experts(layer, random_input(m, spec, "cpu", seed=3), tensors["w13"], tensors["w2"],
+                                     tensors.get("w13_scale"), tensors.get("w2_scale"), weights, ids, None, config)
     finally:
         driver.set_active(None)
     compiled: dict[str, list[dict]] = {}
@@ -126,3 +127,33 @@ def test_one_token_pdl_entries_chain_their_launches_from_hopper_on(arch, device)
         if hopper:
             before_wait = k["ptx"].split("griddepcontrol.wait")[0]
             assert re.search(r"ld\.global\.v\d\.b32", before_wait), "the words' load comes after the wait"
+
+
+FP8_SPEC = with_weights(mo.MoESpec(8, 512, 256, 2), "fp8-block")
+WEIGHT_LEFT_LAUNCHES = {  # fp8 row tiles under wgmma's 64 rows: sorted blocks of 16 and 32, and one token's 16-row dot
+    f"{name}, weight left {left}": (m, _config(block_m, {"block_k": 128, "split_k": split, "weight_left": left},
+                                               {"block_n": 128, "block_k": 128, "weight_left": left}))
+    for name, m, block_m, split in (("sorted 16", 16, 16, 1), ("sorted 32", 64, 32, 1), ("one token", 1, 16, 2))
+    for left in (False, True)
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 3), (89, DEVICE + 4)], ids=["sm_90", "sm_89"])
+def test_fp8_weight_left_entries_take_wgmma_from_hopper_on(arch, device):
+    """fp8 dots of 16 or 32 rows: as written Triton makes them mma.sync dots of fp16, both tiles
+    converted in registers; with the entry's weight_left on Hopper the weight tile is
+    wgmma's left operand, fp8 from shared memory, and nothing is converted to fp16. Ada
+    (sm_89) has no wgmma but fp8 mma.sync: both entries compile to that, as written."""
+    compiled = _compile(WEIGHT_LEFT_LAUNCHES, arch, device, FP8_SPEC)
+    irs = [k["ttgir"] for name in ("gate_up_kernel", "down_kernel") for k in compiled[name]]
+    left = [ir for ir in irs if "warp_group_dot" in ir]
+    # 3 gate/ups and 2 sorted downs (one token's down has no dot), each with and without; on Ada
+    # both entries compile one kernel
+    assert len(irs) == (10 if arch >= 90 else 5)
+    assert len(left) == (5 if arch >= 90 else 0)
+    for ir in left:
+        assert re.search(r"warp_group_dot %\S+, %\S+, %\S+.*: !ttg\.memdesc<(64|128)x128xf8E4M3FN", ir)
+        assert not re.search(r"tensor<\d+x\d+xf16, #ttg\.dot_op", ir)
+    operands = "f16" if arch >= 90 else "f8E4M3FN"  # Ada's mma.sync takes fp8 as it is
+    for ir in set(irs) - set(left):
+        assert re.search(rf"tt\.dot %\S+.*tensor<\d+x\d+x{operands}, #ttg\.dot_op", ir)

@@ -44,6 +44,7 @@ class KernelConfig:
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
+    weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,9 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
                                          descriptors=config.gate_up.descriptors and shape.fp8),
                          down=replace(config.down, block_k=down_k,
                                       descriptors=config.down.descriptors and shape.fp8))
+    if not shape.fp8:  # weight_left turns fp8 dots only
+        config = replace(config, gate_up=replace(config.gate_up, weight_left=False),
+                         down=replace(config.down, weight_left=False))
     return fit_shared(config, shape, num_tokens, smem_bytes)
 
 

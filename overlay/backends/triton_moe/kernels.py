@@ -261,8 +261,21 @@ def _row_limit(num_rows, limit_ptr, LIMITED: tl.constexpr):
 
 
 @triton.jit
+def _fp8_dot(a, b, W_LEFT: tl.constexpr):
+    """a @ b of fp8 tiles, or (W_LEFT) computed as (b^T @ a^T)^T: the weight tile then is the
+    dot's left operand, its BLOCK_N rows wgmma's M, where `a` has fewer than the 64 rows a
+    warpgroup's wgmma takes (otherwise Triton makes fp8 dots of 16 or 32 rows mma.sync
+    dots of fp16, converting both tiles in registers every K step)."""
+    if W_LEFT:
+        prod = tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
+    else:
+        prod = tl.dot(a, b)
+    return prod
+
+
+@triton.jit
 def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr,
-              MX_WORDS: tl.constexpr):
+              MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
     `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
     (A_FMT, bf16 or fp16), or (MX_WORDS) the bf16 `[N, BLOCK_K]` tile _mx_decode made of the
@@ -275,11 +288,11 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
     elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
         acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
     elif W_QUANT == W_BLOCK and ONE_SCALE:  # a scale per row this K step: one multiply-add per element
-        acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
+        acc += _fp8_dot(a, b, W_LEFT) * (a_scale * b_scale)[:, None]
     elif W_QUANT == W_BLOCK:
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        acc += _fp8_dot(a, b, W_LEFT) * a_scale[:, None] * b_scale[None, :]
     else:
-        acc += tl.dot(a, b) * a_scale[:, None]
+        acc += _fp8_dot(a, b, W_LEFT) * a_scale[:, None]
     return acc
 
 
@@ -470,8 +483,8 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_base, rows, rows2, offs_n, n_ok,
                   k_first, k_last, inter, hidden, stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr,
                   FP8_MAX: tl.constexpr, A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr,
-                  MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, TILE_M: tl.constexpr,
+                  TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over canonical weights (gate rows, then up rows; fp8 and mxfp4 keep this
     layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
     scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K), or of
@@ -508,13 +521,13 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
         if MX_WORDS:
             gate = _mx_decode(gate, gate_scale)
             up = _mx_decode(up, up_scale)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
         if TILE_M2 > 0:
             a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
             a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
-            gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
-            up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
+            gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
+            up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
             a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // PACK
@@ -541,7 +554,7 @@ def gate_up_kernel(
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
-    A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr,
+    A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
@@ -588,7 +601,7 @@ def gate_up_kernel(
         acc_gate, acc_up, gate2, up2 = _gate_up_pair(
             a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_expert, scale_base, rows, rows2, offs_n, n_ok, k_first,
             k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8, A_FMT, PACK, MX_WORDS,
-            ONE_SCALE, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
+            ONE_SCALE, W_LEFT, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
     if TILE_M2 > 0:
         _gate_up_store(gate2, up2, routes2, rows2, buffer_rows2, offs_n, n_ok, scale_base, topk_weights_ptr,
                        out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
@@ -769,7 +782,8 @@ def down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, W_DESC: tl.constexpr,
-    ONE_SCALE: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
@@ -825,7 +839,7 @@ def down_kernel(
         w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
         if MX_WORDS:
             w = _mx_decode(w, w_scale)
-        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS)
+        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
         if k == k_steps - 1:
             acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
             tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])

@@ -254,6 +254,19 @@ def uses_pdl(config: LaunchConfig) -> bool:
     return target.backend == "cuda" and target.arch >= 90
 
 
+def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
+    """Whether w8a8 dots of `rows`-row activation tiles take the weight tile as their left
+    operand (kernels._fp8_dot): the entry asks (the tuner times both), the tile has under
+    the 64 rows of a warpgroup's wgmma (Triton would convert both fp8 tiles to fp16 for
+    mma.sync dots), and the kernels compile for NVIDIA from Hopper (sm_90) on: not in
+    Triton's interpreter, nor on AMD, whose fp8 matrix instructions take 16 rows."""
+    if not (cfg.weight_left and layer.shape.fp8 and rows < 64
+            and isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction)):
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 90
+
+
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
@@ -295,7 +308,8 @@ def gate_up(
         W_DESC=layer.shape.interleaved and _descriptors(cfg, w13), PDL=tiny and uses_pdl(config),
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
         A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
-        ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
+        ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=weight_left(layer, cfg, tile_m2 or tile_m),
+        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -349,8 +363,8 @@ def down(
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
         FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
         W_DESC=layer.pack == 1 and _descriptors(cfg, w2), ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0),
-        N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
+        W_LEFT=weight_left(layer, cfg, tile_m), N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

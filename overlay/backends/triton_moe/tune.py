@@ -119,6 +119,8 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
     if block_m <= 32:
         block_ks = (128,) if fp8 else (64, 128, 256)
         grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in (3, 4)]
+        if fp8:  # the weight tile as wgmma's M (launch.weight_left), also 128 rows over two warpgroups
+            grid += _weight_left([*grid, KernelConfig(128, 128, 8, 3), KernelConfig(128, 128, 8, 4)])
     else:
         block_ks = (128,) if fp8 else (32, 64, 128)
         grid = [KernelConfig(n, k, w, s, 8) for n in (32, 64, 128, 256) for k in block_ks for w in (4, 8)
@@ -126,6 +128,13 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
     if block_m >= 128:  # wide tiles at 16 warps: a block's rows are re-read through the L2 once per N tile
         grid += [KernelConfig(n, k, 16, s, 8) for n in (128, 256) for k in block_ks for s in (3, 4, 6)]
     return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
+
+
+def _weight_left(cfgs: list[KernelConfig]) -> list[KernelConfig]:
+    """fp8 candidates of few rows, again with the weight tile as the dot's left operand where it
+    has the 64 rows wgmma's M takes a warpgroup (launch.weight_left; DeepSeek-V3 fp8-block
+    M=1024 on an H200, the shipped entry: 588 -> 513 us)."""
+    return [replace(c, weight_left=True) for c in cfgs if c.num_warps >= 4 and c.block_n >= 16 * c.num_warps]
 
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
@@ -137,10 +146,12 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
     pipelines only loops with one: more stages compile the same kernel)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
-    block_ns = (16, 32, 64) if fp8 else (8, 16, 32, 64)
+    block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
             for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     grid += [KernelConfig(n, k, 8, 3, split_k=s) for n in block_ns if n >= 32 for k in block_ks for s in (2, 4, 8)]
+    if fp8:
+        grid += _weight_left(grid)
     gemv = [] if fp8 else [
         KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in (4, 8, 16) for k in (128, 256, 512)
         for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
