@@ -783,8 +783,7 @@ def down_kernel(
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, W_DESC: tl.constexpr,
     ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block

@@ -248,7 +248,12 @@ def uses_pdl(config: LaunchConfig) -> bool:
     (kernels._let_next_start, _await_previous): the down's entry asks, and the kernels compile
     for NVIDIA from Hopper (sm_90) on, not in Triton's interpreter. Entries choose it by
     measurement (tune._with_pdl): it slows some layers."""
-    if not (config.down.pdl and isinstance(kernels.down_tiny_kernel, triton.runtime.jit.JITFunction)):
+    return config.down.pdl and _compiles_for_hopper()
+
+
+def _compiles_for_hopper() -> bool:
+    """Whether the kernels compile (not Triton's interpreter) for NVIDIA from Hopper (sm_90) on."""
+    if not isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction):
         return False
     target = triton.runtime.driver.active.get_current_target()
     return target.backend == "cuda" and target.arch >= 90
@@ -260,11 +265,7 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
     the 64 rows of a warpgroup's wgmma (Triton would convert both fp8 tiles to fp16 for
     mma.sync dots), and the kernels compile for NVIDIA from Hopper (sm_90) on: not in
     Triton's interpreter, nor on AMD, whose fp8 matrix instructions take 16 rows."""
-    if not (cfg.weight_left and layer.shape.fp8 and rows < 64
-            and isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction)):
-        return False
-    target = triton.runtime.driver.active.get_current_target()
-    return target.backend == "cuda" and target.arch >= 90
+    return cfg.weight_left and layer.shape.fp8 and rows < 64 and _compiles_for_hopper()
 
 
 def gate_up(
