@@ -346,10 +346,12 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
-    def kernels(model, weights, tokens):
+    def cands(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return [(c.block_m, k) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
-                for k in c.gate_up + c.down]
+        return candidates(points_from_args(_parse(args))[0], 227 * 1024)
+
+    def kernels(model, weights, tokens):
+        return [(c.block_m, k) for c in cands(model, weights, tokens) for k in c.gate_up + c.down]
 
     for weights, tokens in (("fp8-block", 1), ("fp8-block", 1024), ("fp8-channel-token", 16)):
         model = "Maverick" if weights == "fp8-channel-token" else "DeepSeek-V3"
@@ -358,6 +360,8 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
         assert left and all(m <= 48 and k.num_warps >= 4 and k.block_n >= 16 * k.num_warps for m, k in left)
         plain = {replace(k, weight_left=False) for m, k in kernels(model, weights, tokens) if not k.weight_left}
         assert {replace(k, weight_left=False) for _, k in left if k.num_warps == 4} <= plain  # each timed both ways
+    # a block of three row tiles (48: 32 and 16 rows) has weight-left gate/ups; blocks of 64 rows and up none
+    assert any(k.weight_left for c in cands("DeepSeek-V3", "fp8-block", 1024) if c.block_m == 48 for k in c.gate_up)
     assert not any(k.weight_left for _, k in kernels("DeepSeek-V3", "fp8-block", 8192))
     assert not any(k.weight_left for _, k in kernels("DeepSeek-V3", "bf16", 1024) + kernels("Kimi-K3", "mxfp4", 1))
 

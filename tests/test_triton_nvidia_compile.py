@@ -130,10 +130,12 @@ def test_one_token_pdl_entries_chain_their_launches_from_hopper_on(arch, device)
 
 
 FP8_SPEC = with_weights(mo.MoESpec(8, 512, 256, 2), "fp8-block")
-WEIGHT_LEFT_LAUNCHES = {  # fp8 row tiles under wgmma's 64 rows: sorted blocks of 16 and 32, and one token's 16-row dot
+# fp8 row tiles under wgmma's 64 rows: sorted blocks of 16, 32 and 48 (three row tiles), one token's 16-row dot
+WEIGHT_LEFT_LAUNCHES = {
     f"{name}, weight left {left}": (m, _config(block_m, {"block_k": 128, "split_k": split, "weight_left": left},
                                                {"block_n": 128, "block_k": 128, "weight_left": left}))
-    for name, m, block_m, split in (("sorted 16", 16, 16, 1), ("sorted 32", 64, 32, 1), ("one token", 1, 16, 2))
+    for name, m, block_m, split in (("sorted 16", 16, 16, 1), ("sorted 32", 64, 32, 1), ("one token", 1, 16, 2),
+                                    ("sorted 48: row tiles of 32 and 16", 96, 48, 1))
     for left in (False, True)
 }
 
@@ -147,10 +149,10 @@ def test_fp8_weight_left_entries_take_wgmma_from_hopper_on(arch, device):
     compiled = _compile(WEIGHT_LEFT_LAUNCHES, arch, device, FP8_SPEC)
     irs = [k["ttgir"] for name in ("gate_up_kernel", "down_kernel") for k in compiled[name]]
     left = [ir for ir in irs if "warp_group_dot" in ir]
-    # 3 gate/ups and 2 sorted downs (one token's down has no dot), each with and without; on Ada
+    # 4 gate/ups and 3 sorted downs (one token's down has no dot), each with and without; on Ada
     # both entries compile one kernel
-    assert len(irs) == (10 if arch >= 90 else 5)
-    assert len(left) == (5 if arch >= 90 else 0)
+    assert len(irs) == (14 if arch >= 90 else 7)
+    assert len(left) == (7 if arch >= 90 else 0)
     for ir in left:
         assert re.search(r"warp_group_dot %\S+, %\S+, %\S+.*: !ttg\.memdesc<(64|128)x128xf8E4M3FN", ir)
         assert not re.search(r"tensor<\d+x\d+xf16, #ttg\.dot_op", ir)

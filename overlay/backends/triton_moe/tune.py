@@ -34,6 +34,7 @@ from .configs import (
     read_file,
     resident_bytes,
     resident_k,
+    row_tiles,
     stage_bytes,
 )
 
@@ -125,6 +126,8 @@ def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> l
         block_ks = (128,) if fp8 else (32, 64, 128)
         grid = [KernelConfig(n, k, w, s, 8) for n in (32, 64, 128, 256) for k in block_ks for w in (4, 8)
                 for s in (3, 4)]
+        if fp8 and min(t for t in row_tiles(block_m) if t) < 64:  # a block of three row tiles, one of them under
+            grid += _weight_left(grid)  # wgmma's 64 rows (48: 32 and 16; 96: 64 and 32)
     if block_m >= 128:  # wide tiles at 16 warps: a block's rows are re-read through the L2 once per N tile
         grid += [KernelConfig(n, k, 16, s, 8) for n in (128, 256) for k in block_ks for s in (3, 4, 6)]
     return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
