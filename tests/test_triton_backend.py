@@ -397,6 +397,55 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
     assert not left(layer, fp8.gate_up, 16, GPUTarget("hip", "gfx942", 64))
 
 
+def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from moe_overlay.backends.triton_moe import launch
+    from tests.absent_gpu import AbsentGpu
+
+    def gluon_gate_ups(model, weights, tokens):
+        args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
+        return [(c.block_m, g) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+                for g in c.gate_up if g.gluon]
+
+    offered = gluon_gate_ups("DeepSeek-V3", "fp8-block", 8192)
+    assert offered and all(m == configs.GLUON_BLOCK_M and g.num_warps == 4 for m, g in offered)
+    for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 1024), ("Maverick", "fp8-channel-token", 8192),
+                                   ("DeepSeek-V3", "bf16", 8192), ("Kimi-K3", "mxfp4", 8192)):
+        assert not gluon_gate_ups(model, weights, tokens), (model, weights, tokens)  # no block of 64 / not block fp8
+
+    entry = {"block_m": 64, "gate_up": {**_entry(64)["gate_up"], "block_k": 128, "gluon": True},
+             "down": _entry(64)["down"]}
+    shapes = [configs.LayerShape(8, 512, 256, 2, w) for w in ("bf16", "fp8-channel", "fp8-block")]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"512": entry} for s in shapes}})))
+    bf16, channel, block = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    assert not bf16.gate_up.gluon and not channel.gate_up.gluon and block.gate_up.gluon
+
+    hopper = GPUTarget("cuda", 90, 32)
+
+    def uses(layer, config, sorted_mode=True, target=hopper):
+        driver.set_active(AbsentGpu(target, 0))
+        try:
+            return launch.uses_gluon(layer, config, sorted_mode)
+        finally:
+            driver.set_active(None)
+
+    layer = launch.Layer(shapes[2], granularity="block")
+    compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    assert uses(layer, block) == compiled
+    assert not uses(layer, block, sorted_mode=False)  # tiny mode
+    assert not uses(layer, replace(block, gate_up=replace(block.gate_up, gluon=False)))
+    assert not uses(layer, replace(block, block_m=32))
+    assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_warps=8)))
+    assert not uses(launch.Layer(configs.LayerShape(8, 384, 256, 2, "fp8-block"), granularity="block"), block)  # K
+    assert not uses(launch.Layer(shapes[1], granularity="channel"), block)
+    assert not uses(layer, block, target=GPUTarget("cuda", 89, 32))
+    assert not uses(layer, block, target=GPUTarget("hip", "gfx942", 64))
+
+
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
     tl = pytest.importorskip("triton.language")
     from moe_overlay.backends.triton_moe import launch

@@ -159,6 +159,35 @@ UNUSUAL = {
                                        "down": {**KERNEL, "block_n": 64, "weight_left": True}}, 150),
 }
 UNALIGNED = mo.MoESpec(8, 100, 36, 2, dtype=DTYPE)  # 200- and 72-byte weight rows
+GLUON_SPECS = [with_weights(spec, "fp8-block") for spec in (  # H a whole number of the Gluon kernel's passes
+    mo.MoESpec(8, 512, 256, 2),
+    mo.MoESpec(16, 512, 256, 4, mo.Activation.situ(3.0, 9.0)),
+    mo.MoESpec(8, 512, 128, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, -1)),
+)]
+
+
+@needs_cuda
+@fp8_ok
+@pytest.mark.parametrize("spec", GLUON_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("m", [40, 300])  # blocks of 64 partly filled, and experts of several blocks
+def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, tmp_path, monkeypatch):
+    """The same entry with and without `gluon` (gluon_kernels on NVIDIA from sm_90, which must
+    take it there; elsewhere both run kernels.gate_up_kernel): the same sums in the same
+    order, so the same output, and the reference's within fp8's error."""
+    from moe_overlay.backends.triton_moe import launch
+
+    kernel = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1}
+    outs = []
+    for gluon in (False, True):
+        entry = {"block_m": 64, "gate_up": {**kernel, "gluon": gluon}, "down": kernel}
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        layer = launch.Layer(LayerShape.of(spec), granularity="block")
+        assert launch.uses_gluon(layer, config, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        outs.append(_check(spec, m, tol=2e-2)[1])
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_device

@@ -12,6 +12,8 @@ Correctness and speed are `make test-gpu` and `make bench-gpu`'s.
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
 
 import pytest
 
@@ -159,3 +161,36 @@ def test_fp8_weight_left_entries_take_wgmma_from_hopper_on(arch, device):
     operands = "f16" if arch >= 90 else "f8E4M3FN"  # Ada's mma.sync takes fp8 as it is
     for ir in set(irs) - set(left):
         assert re.search(rf"tt\.dot %\S+.*tensor<\d+x\d+x{operands}, #ttg\.dot_op", ir)
+
+
+GLUON_LAUNCHES = {  # block-fp8 sorted gate/up in blocks of 64 rows, through gluon_kernels where the entry asks
+    f"gluon {gluon}": (300, _config(64, {"block_n": 64, "block_k": 128, "num_stages": 4, "gluon": gluon},
+                                    {"block_n": 128, "block_k": 128}))
+    for gluon in (False, True)
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 5), (89, DEVICE + 6)], ids=["sm_90", "sm_89"])
+def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(arch, device):
+    """Hopper: the entry's gate/up is gluon_kernels' kernel, and in its SASS a K step's wgmma is
+    waited for with one still in flight (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the rescale runs
+    while the next dot does; ptxas serialising the wgmmas would leave only waits for none).
+    The same layer without the entry's flag, and Ada with it, run kernels.gate_up_kernel."""
+    from triton import knobs
+
+    from moe_overlay.backends.triton_moe import gluon_kernels
+
+    spec = with_weights(mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0)), "fp8-block")
+    compiled = _compile(GLUON_LAUNCHES, arch, device, spec)
+    gluon = list(gluon_kernels.gate_up_block_fp8_kernel.device_caches.get(device, ({},))[0].values())
+    assert len(gluon) == (1 if arch >= 90 else 0)
+    assert len(compiled["gate_up_kernel"]) == 1  # the entry without the flag (and on Ada, both entries)
+    for kernel in gluon:
+        cubin = kernel.asm["cubin"]
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass)
+        assert "0x1" in waits and sass.count("GMMA") >= 2, waits

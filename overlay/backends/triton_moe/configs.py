@@ -27,6 +27,7 @@ USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
 TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
 MIN_TILE_M = 16  # a dot's least M
 MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
+GLUON_BLOCK_M = 64  # gluon_kernels' gate/up: one warpgroup's wgmma rows a block
 
 Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
@@ -45,6 +46,7 @@ class KernelConfig:
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
     weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
+    gluon: bool = False  # block-fp8 sorted gate/up: gluon_kernels' (each rescale overlaps the next dot; NVIDIA sm_90+)
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,8 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     if not shape.fp8:  # weight_left turns fp8 dots only
         config = replace(config, gate_up=replace(config.gate_up, weight_left=False),
                          down=replace(config.down, weight_left=False))
+    if shape.weights != "fp8-block":  # the Gluon gate/up is block-fp8's
+        config = replace(config, gate_up=replace(config.gate_up, gluon=False))
     return fit_shared(config, shape, num_tokens, smem_bytes)
 
 

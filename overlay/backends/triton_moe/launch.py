@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import kernels
 from .configs import (
+    GLUON_BLOCK_M,
     KernelConfig,
     LaunchConfig,
     LayerShape,
@@ -30,6 +31,11 @@ from .configs import (
     row_tiles,
     weights_tag,
 )
+
+try:
+    from . import gluon_kernels
+except (ImportError, AttributeError):  # a Triton without Gluon's Hopper calls: the `tl` kernels run everything
+    gluon_kernels = None
 
 W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names of the 16-bit activations
@@ -268,6 +274,35 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
     return cfg.weight_left and layer.shape.fp8 and rows < 64 and _compiles_for_hopper()
 
 
+def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
+    """Whether the gate/up runs gluon_kernels' block-fp8 kernel: the entry asks (the tuner
+    times both), the layer is block-fp8 with its activations quantised first (sorted mode:
+    `sorted_mode`), blocks of the
+    kernel's 64 rows, 4 warps, N tiles within a 128-row scale block, K a whole number of the
+    kernel's passes, and the kernels compile for NVIDIA from Hopper (sm_90) on with a Triton
+    that has Gluon's Hopper calls. Otherwise kernels.gate_up_kernel runs the same entry."""
+    cfg = config.gate_up
+    return (cfg.gluon and sorted_mode and gluon_kernels is not None and layer.granularity == "block"
+            and not layer.per_token and config.block_m == GLUON_BLOCK_M and cfg.num_warps == 4
+            and kernels.SCALE_BLOCK.value % cfg.block_n == 0 and layer.shape.inter % cfg.block_n == 0
+            and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0 and _compiles_for_hopper())
+
+
+def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, cfg: KernelConfig,
+                   out: torch.Tensor) -> None:
+    scale = w13_scale.contiguous()
+    _launch(
+        gluon_kernels.gate_up_block_fp8_kernel, (alignment.num_blocks * (layer.shape.inter // cfg.block_n),),
+        x, x_scale, w13, scale, out, topk_weights, alignment.sorted_routes, alignment.block_expert,
+        alignment.block_rows, alignment.num_padded, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        layer.beta, layer.linear_beta,
+        WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_N=cfg.block_n,
+        BLOCK_K=QUANT_GROUP, STAGES=cfg.num_stages, num_warps=4,
+    )
+
+
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
@@ -290,6 +325,9 @@ def gate_up(
     a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
+    if uses_gluon(layer, config, not tiny and a_fp8):
+        _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, cfg, out)
+        return
     split_k = cfg.split_k if tiny else 1
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), split_k)
     if tiny:
