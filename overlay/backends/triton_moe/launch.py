@@ -276,11 +276,11 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
 
 def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
     """Whether the gate/up runs gluon_kernels' block-fp8 kernel: the entry asks (the tuner
-    times both), the layer is block-fp8 with its activations quantised first (sorted mode:
-    `sorted_mode`), blocks of the
-    kernel's 64 rows, 4 warps, N tiles within a 128-row scale block, K a whole number of the
-    kernel's passes, and the kernels compile for NVIDIA from Hopper (sm_90) on with a Triton
-    that has Gluon's Hopper calls. Otherwise kernels.gate_up_kernel runs the same entry."""
+    times both); the layer is block-fp8 with its activations quantised first (`sorted_mode`);
+    blocks of the kernel's 64 rows, 4 warps, N tiles that start on their own width and lie in
+    one 128-row scale block (gate and up alike), H a whole number of the kernel's passes; and
+    the kernels compile for NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's
+    Hopper calls. Otherwise kernels.gate_up_kernel runs the same entry."""
     cfg = config.gate_up
     return (cfg.gluon and sorted_mode and gluon_kernels is not None and layer.granularity == "block"
             and not layer.per_token and config.block_m == GLUON_BLOCK_M and cfg.num_warps == 4
