@@ -128,8 +128,9 @@ def gate_up_block_fp8_kernel(
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], smem)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NW, BLOCK_K], smem)
     k_steps = hidden // BLOCK_K
-    for s in gl.static_range(STAGES):
-        _load_step(x_ptr, w_ptr, a_smem, w_smem, s, tokens, rows, w_rows, s, stride_xm, stride_wn, BLOCK_K, blk)
+    for s in gl.static_range(STAGES):  # steps 0 .. STAGES - 1, those that exist
+        _refill(x_ptr, w_ptr, a_smem, w_smem, tokens, rows, w_rows, s - STAGES, k_steps, stride_xm, stride_wn,
+                BLOCK_K, STAGES, blk)
     zero = gl.zeros([BLOCK_M, NW], gl.float32, layout=mma)
     acc = gl.zeros([BLOCK_M, NW], gl.float32, layout=mma)
     for k in range(0, k_steps, PASS):
