@@ -222,6 +222,20 @@ def test_fake_gives_the_output_shape_without_triton():
 # -- launch configurations -------------------------------------------------------------------
 
 
+def _on_target(target, fn, *args):
+    """fn(*args) with Triton's driver set to `target`, a GPU that is not here (launch's choices
+    that depend on what the kernels compile for)."""
+    from triton.runtime.driver import driver
+
+    from tests.absent_gpu import AbsentGpu
+
+    driver.set_active(AbsentGpu(target, 0))
+    try:
+        return fn(*args)
+    finally:
+        driver.set_active(None)
+
+
 def _entry(block_m, block_n=64):
     kernel = {"block_n": block_n, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}
     return {"block_m": block_m, "gate_up": kernel, "down": kernel}
@@ -376,16 +390,9 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.weight_left  # entries from before it
     # the kernels turn the dot where the entry asks, for fp8 tiles of under 64 rows, compiled for NVIDIA sm_90+
     from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    from tests.absent_gpu import AbsentGpu
 
     def left(layer, cfg, rows, target):
-        driver.set_active(AbsentGpu(target, 0))
-        try:
-            return launch.weight_left(layer, cfg, rows)
-        finally:
-            driver.set_active(None)
+        return _on_target(target, launch.weight_left, layer, cfg, rows)
 
     layer, hopper = launch.Layer(shapes[1], granularity="block"), GPUTarget("cuda", 90, 32)
     compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
@@ -400,10 +407,8 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
 def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
 
     from moe_overlay.backends.triton_moe import launch
-    from tests.absent_gpu import AbsentGpu
 
     def gluon_gate_ups(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
@@ -427,11 +432,7 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
     hopper = GPUTarget("cuda", 90, 32)
 
     def uses(layer, config, sorted_mode=True, target=hopper):
-        driver.set_active(AbsentGpu(target, 0))
-        try:
-            return launch.uses_gluon(layer, config, sorted_mode)
-        finally:
-            driver.set_active(None)
+        return _on_target(target, launch.uses_gluon, layer, config, sorted_mode)
 
     layer = launch.Layer(shapes[2], granularity="block")
     compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
@@ -440,6 +441,7 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, gluon=False)))
     assert not uses(layer, replace(block, block_m=32))
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_warps=8)))
+    assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_stages=1)))  # a pass needs two slots
     assert not uses(launch.Layer(configs.LayerShape(8, 384, 256, 2, "fp8-block"), granularity="block"), block)  # K
     assert not uses(launch.Layer(shapes[1], granularity="channel"), block)
     assert not uses(layer, block, target=GPUTarget("cuda", 89, 32))

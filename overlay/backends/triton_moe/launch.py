@@ -277,13 +277,15 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
 def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
     """Whether the gate/up runs gluon_kernels' block-fp8 kernel: the entry asks (the tuner
     times both); the layer is block-fp8 with its activations quantised first (`sorted_mode`);
-    blocks of the kernel's 64 rows, 4 warps, N tiles that start on their own width and lie in
+    blocks of the kernel's 64 rows, 4 warps, a ring slot for each of a pass's K steps at least,
+    N tiles that start on their own width and lie in
     one 128-row scale block (gate and up alike), H a whole number of the kernel's passes; and
     the kernels compile for NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's
     Hopper calls. Otherwise kernels.gate_up_kernel runs the same entry."""
     cfg = config.gate_up
     return (cfg.gluon and sorted_mode and gluon_kernels is not None and layer.granularity == "block"
             and not layer.per_token and config.block_m == GLUON_BLOCK_M and cfg.num_warps == 4
+            and cfg.num_stages >= gluon_kernels.PASS.value
             and kernels.SCALE_BLOCK.value % cfg.block_n == 0 and layer.shape.inter % cfg.block_n == 0
             and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0 and _compiles_for_hopper())
 
@@ -291,12 +293,12 @@ def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
 def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, cfg: KernelConfig,
                    out: torch.Tensor) -> None:
-    scale = w13_scale.contiguous()
+    scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     _launch(
         gluon_kernels.gate_up_block_fp8_kernel, (alignment.num_blocks * (layer.shape.inter // cfg.block_n),),
         x, x_scale, w13, scale, out, topk_weights, alignment.sorted_routes, alignment.block_expert,
         alignment.block_rows, alignment.num_padded, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
-        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(0),
         layer.beta, layer.linear_beta,
         WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_N=cfg.block_n,
         BLOCK_K=QUANT_GROUP, STAGES=cfg.num_stages, num_warps=4,
