@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import moe_overlay as mo
+from moe_overlay.backends import problems
 from moe_overlay.backends.problems import (
     MODELS,
     TOKEN_COUNTS,
@@ -303,6 +304,26 @@ def test_fp8_launches_step_one_scale_block_and_keep_programs_per_down_row_tile(t
     assert [s.down_kind(c.down) for s, c in zip(shapes, (bf16, fp8), strict=True)] == ["resident", "streamed"]
     assert shapes[1].down_kind(replace(fp8.down, n_split=0)) == "tiled"
     assert fp8.down.block_k == 128 == fp8.gate_up.block_k
+
+
+def test_resident_flag_turns_block_fp8_downs_of_small_i_resident_and_nothing_else(tmp_path, monkeypatch):
+    """`resident` picks down_resident_kernel for block fp8 with n_split and I <= 512; other
+    formats drop it (bf16/fp16 are resident with n_split anyway), as does a larger I."""
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import launch
+
+    entry = {**_entry(64), "down": {**_entry(64)["down"], "n_split": 2, "resident": True}}
+    shapes = [configs.LayerShape(8, 256, i, 2, w) for w, i in (("fp8-block", 384), ("fp8-block", 640),
+                                                                ("fp8-channel", 384), ("mxfp4", 384), ("bf16", 384))]
+    monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
+                                                           {"cpu": {s.key: {"512": entry} for s in shapes}})))
+    downs = [launch.launch_config(s, torch.device("cpu"), 512).down for s in shapes]
+    assert [d.resident for d in downs] == [True, False, False, False, False]
+    assert [s.down_kind(d) for s, d in zip(shapes, downs, strict=True)] == [
+        "resident", "streamed", "streamed", "streamed", "resident"]
+    assert shapes[0].down_kind(replace(downs[0], n_split=0)) == "tiled"
+    # its shared memory: the 64-row activation block and 3 stages of 64-row weight tiles, three K steps, one byte
+    assert configs.resident_bytes(64, downs[0], shapes[0]) == (64 + 3 * 64) * 384
 
 
 def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads(tmp_path, monkeypatch):
@@ -672,9 +693,9 @@ def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_bud
         assert all(c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 227 * 1024 for c in cfgs)
 
 
-def test_resident_downs_for_small_bf16_intermediates_fit_the_chip_and_quantised_downs_stream():
-    def downs(model, weights="bf16"):
-        args = ["tune", "--model", model, "--weights", weights, "--tokens", "8192"]
+def test_resident_downs_for_small_intermediates_fit_the_chip_and_other_quantised_downs_stream():
+    def downs(name, weights="bf16", tokens=8192):
+        args = ["tune", "--model", name, "--weights", weights, "--tokens", str(tokens)]
         return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
                 for d in c.down]
 
@@ -682,11 +703,23 @@ def test_resident_downs_for_small_bf16_intermediates_fit_the_chip_and_quantised_
     assert kimi and {d.n_split for _, d in kimi} == {1, 2, 4} and all(d.block_k == 256 + 128 for _, d in kimi)
     assert all((configs.down_tile(m) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
     assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
-    for model, weights in (("DeepSeek-V3", "fp8-block"), ("Kimi-K3", "mxfp4")):  # streamed: every tiled down split
-        quantised = downs(model, weights)
+    for name, weights in (("DeepSeek-V3", "fp8-block"), ("Kimi-K3", "mxfp4")):  # streamed: every tiled down split
+        quantised = downs(name, weights)
         tiled = {(m, d) for m, d in quantised if not d.n_split}
-        assert tiled and {(m, replace(d, n_split=0)) for m, d in quantised if d.n_split} == tiled
-        assert {d.n_split for _, d in quantised} == {0, *STREAM_SPLITS}
+        assert tiled and {(m, replace(d, n_split=0)) for m, d in quantised if d.n_split and not d.resident} == tiled
+        assert {d.n_split for _, d in quantised if not d.resident} == {0, *STREAM_SPLITS}
+    # block fp8 with I <= 512 also gets resident downs: K steps of 128, one byte a value in shared memory
+    for name in ("DeepSeek-V3", "Kimi-K3"):
+        inter = problems.model(name).spec.intermediate_size
+        resident = [(m, d) for m, d in downs(name, "fp8-block") if d.resident]
+        assert resident and {d.n_split for _, d in resident} == {1, 2} and all(d.block_k == 128 for _, d in resident)
+        assert all((configs.down_tile(m) + d.num_stages * d.block_n) * -(-inter // 128) * 128 <= 227 * 1024
+                   for m, d in resident)
+        assert max(d.num_stages for m, d in resident if m == 64 and d.block_n == 128) == (4 if inter == 384 else 5)
+    few_rows = [d for m, d in downs("DeepSeek-V3", "fp8-block", 1024) if d.resident and configs.down_tile(m) < 64]
+    assert few_rows and any(d.weight_left for d in few_rows)  # 32-row tiles: the weight tile as wgmma's M
+    for name, weights in (("Kimi-K3", "mxfp4"), ("Maverick", "fp8-channel-token"), ("Maverick", "fp8-block")):
+        assert not any(d.resident for _, d in downs(name, weights))  # not block fp8, or I of 1024
     assert [configs.resident_k(i) for i in (256, 384, 72, 100)] == [(256, 0), (256, 128), (64, 16), (64, 64)]
 
 

@@ -190,6 +190,44 @@ def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, tmp_path, monkeyp
     assert torch.equal(outs[0], outs[1])
 
 
+RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
+    mo.MoESpec(8, 384, 384, 2),  # three K steps, weight tiles through descriptors
+    mo.MoESpec(8, 256, 200, 4, mo.Activation.situ(3.0, 9.0)),  # a last K step of 72: plain loads, masked
+    mo.MoESpec(8, 512, 256, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, -1)),
+)]
+RESIDENT_FP8_DOWNS = {  # (block_m, down), each against the same entry's streamed down
+    "64-rows": (64, {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "n_split": 1,
+                     "descriptors": True}),
+    "32-rows-weight-left": (32, {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "n_split": 2,
+                                 "descriptors": True, "weight_left": True}),
+}
+
+
+@needs_cuda
+@fp8_ok
+@pytest.mark.parametrize("spec", RESIDENT_FP8_SPECS, ids=["three-steps", "partial-step-situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("down", RESIDENT_FP8_DOWNS)
+@pytest.mark.parametrize("m", [40, 300])  # blocks partly filled, and experts of several blocks
+def test_block_fp8_resident_down_matches_the_streamed_one_and_the_reference(spec, down, m, tmp_path, monkeypatch):
+    """The resident down (its activation tile loaded once per program) and the streamed one of
+    the same entry add the same rescaled products: outputs within fp32 rounding of each other,
+    and the reference's within fp8's error."""
+    from moe_overlay.backends.triton_moe import launch
+
+    block_m, kernel = RESIDENT_FP8_DOWNS[down]
+    outs = []
+    for resident in (False, True):
+        entry = {"block_m": block_m, "gate_up": {**kernel, "n_split": 0, "weight_left": False},
+                 "down": {**kernel, "resident": resident}}
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        (tmp_path / f"configs-{resident}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{resident}.json"))
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        assert LayerShape.of(spec).down_kind(config.down) == ("resident" if resident else "streamed")
+        outs.append(_check(spec, m, tol=2e-2)[1])
+    assert relative_error(outs[1], outs[0]) < 1e-3
+
+
 @needs_device
 @pytest.mark.parametrize("spec", [SMALL[1], SMALL[2], SMALL[4], SMALL[5], UNALIGNED, MXFP4_SMALL[0],
                                   pytest.param(FP8_BLOCK_SMALL, marks=fp8_ok),

@@ -78,7 +78,7 @@ def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: i
     finally:
         driver.set_active(None)
     compiled: dict[str, list[dict]] = {}
-    for name in ("gate_up_kernel", "gate_up_gemv_kernel", "down_kernel", "down_tiny_kernel"):
+    for name in ("gate_up_kernel", "gate_up_gemv_kernel", "down_kernel", "down_resident_kernel", "down_tiny_kernel"):
         fn = getattr(kernels, name)
         compiled[name] = [{**k.asm, "launch_pdl": k.metadata.launch_pdl}
                           for k in fn.device_caches.get(device, ({},))[0].values()]
@@ -88,7 +88,8 @@ def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: i
 def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers():
     compiled = {name: [k["ttgir"] for k in ks] for name, ks in _compile(LAUNCHES, 90, DEVICE).items()}
     assert {name: len(irs) for name, irs in compiled.items()} == {
-        "gate_up_kernel": 4, "gate_up_gemv_kernel": 1, "down_kernel": 4, "down_tiny_kernel": 2}
+        "gate_up_kernel": 4, "gate_up_gemv_kernel": 1, "down_kernel": 4, "down_resident_kernel": 0,
+        "down_tiny_kernel": 2}
     for name in ("gate_up_kernel", "down_kernel"):
         wgmma = [ir for ir in compiled[name] if "warp_group_dot" in ir]
         # the sorted launches (64-row weight tiles at least): wgmma, the decoded weights its
@@ -194,3 +195,37 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
                                   check=True).stdout
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass)
         assert "0x1" in waits and sass.count("GMMA") >= 2, waits
+
+
+RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
+RESIDENT_LAUNCHES = {  # block-fp8 resident downs: 64-row tiles through descriptors or plain loads; 32-row weight-left
+    "64 rows, descriptors": (300, _config(64, {"block_k": 128}, {"block_k": 128, "n_split": 1, "resident": True,
+                                                                 "descriptors": True})),
+    "64 rows, plain loads": (300, _config(64, {"block_k": 128}, {"block_k": 128, "n_split": 2, "resident": True})),
+    "32 rows, weight left": (100, _config(32, {"block_k": 128}, {"block_k": 128, "n_split": 2, "resident": True,
+                                                                 "weight_left": True})),
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 7), (89, DEVICE + 8)], ids=["sm_90", "sm_89"])
+def test_block_fp8_resident_down_loads_its_activation_once_from_hopper_on(arch, device):
+    """The resident down loads its fp8 activation tile, one load per K step, before the loop
+    over N tiles, which then streams weight tiles only (no activation load in it). On Hopper
+    three wgmmas a tile, fp8 operands from shared memory (nothing converted to fp16); a
+    64-row tile is staged there once, before the loop (the 32-row weight-left one is wgmma's
+    right operand, staged from registers each tile). Ada compiles them to fp8 mma.sync."""
+    compiled = _compile(RESIDENT_LAUNCHES, arch, device, RESIDENT_SPEC)
+    irs = [k["ttgir"] for k in compiled["down_resident_kernel"]]
+    assert len(irs) == 3 and not compiled["down_kernel"]
+    activation_load = r"tt\.load %[^\n]*: tensor<(\d+)x128x!tt\.ptr<f8E4M3FN>"
+    for ir in irs:
+        before, loop = ir.split("scf.for", 1)
+        rows = re.findall(activation_load, before)
+        assert len(rows) == 3 and not re.search(activation_load, loop), rows
+        if arch >= 90:
+            assert len(re.findall(r"warp_group_dot %", loop)) == 3
+            assert not re.search(r"tensor<\d+x\d+xf16, #ttg\.dot_op", ir)
+            staged = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<64x128xf8E4M3FN", before)
+            assert len(staged) == (3 if rows[0] == "64" else 0)
+        else:
+            assert len(re.findall(r"tt\.dot %\S+.*tensor<\d+x\d+xf8E4M3FN, #ttg\.dot_op", loop)) == 3

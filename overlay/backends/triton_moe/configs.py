@@ -28,6 +28,8 @@ TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (k
 MIN_TILE_M = 16  # a dot's least M
 MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
 GLUON_BLOCK_M = 64  # gluon_kernels' gate/up: one warpgroup's wgmma rows a block
+RESIDENT_MAX_I = 512  # down_resident_kernel: beyond, a program per output tile has enough K steps to pipeline
+FP8_STEP = 128  # fp8 K steps: one 128-wide weight scale block and activation group each
 
 Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
@@ -41,12 +43,13 @@ class KernelConfig:
     group_m: int = 1
     split_k: int = 1  # tiny mode: gate/up programs per expert and N tile along K; down, per token and N tile
     n_split: int = 0  # general down only, > 0: programs per row tile, each walking its share of the N tiles
-    # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed)
+    # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed, or resident where set)
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
     weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
     gluon: bool = False  # block-fp8 sorted gate/up: gluon_kernels' (each rescale overlaps the next dot; NVIDIA sm_90+)
+    resident: bool = False  # block-fp8 down with n_split, I <= RESIDENT_MAX_I: down_resident_kernel, not streamed
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,12 @@ def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int) -> int:
     return (rows + b_tiles * cfg.block_n) * cfg.block_k * 2
 
 
-def resident_bytes(rows: int, cfg: KernelConfig) -> int:
+def resident_bytes(rows: int, cfg: KernelConfig, shape: LayerShape) -> int:
     """down_resident_kernel's shared memory: the activation block and num_stages weight tiles,
-    each of all of I (cfg.block_k), at two bytes a value."""
-    return (rows + cfg.num_stages * cfg.block_n) * cfg.block_k * 2
+    each of all of I: bf16/fp16 cfg.block_k columns (resident_k's two tiles) at two bytes a
+    value, block fp8 whole K steps at one."""
+    k, value_bytes = (-(-shape.inter // FP8_STEP) * FP8_STEP, 1) if shape.fp8 else (cfg.block_k, 2)
+    return (rows + cfg.num_stages * cfg.block_n) * k * value_bytes
 
 
 @cache
@@ -115,7 +120,7 @@ def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int) -> di
         used["gate_up"] = config.gate_up.num_stages * stage_bytes(config.block_m, config.gate_up, 2)
     if not is_tiny(num_tokens, shape.top_k):
         rows = down_tile(config.block_m)
-        used["down"] = (resident_bytes(rows, config.down) if shape.down_kind(config.down) == "resident"
+        used["down"] = (resident_bytes(rows, config.down, shape) if shape.down_kind(config.down) == "resident"
                         else config.down.num_stages * stage_bytes(rows, config.down, 1))
     return used
 
@@ -178,11 +183,11 @@ class LayerShape:
 
     def down_kind(self, down: KernelConfig) -> str:
         """Which general-mode down a config runs on this layer: "tiled" (a program per output
-        tile); with n_split, "resident" (bf16/fp16, down_resident_kernel) or "streamed"
-        (other formats, down_kernel walking N tiles)."""
+        tile); with n_split, "resident" (bf16/fp16, or block fp8 where the config says so:
+        down_resident_kernel) or "streamed" (down_kernel walking N tiles)."""
         if not down.n_split:
             return "tiled"
-        return "resident" if self.interleaved else "streamed"
+        return "resident" if self.interleaved or down.resident else "streamed"
 
 
 def resident_k(inter: int) -> tuple[int, int]:
@@ -279,11 +284,10 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if not shape.interleaved:  # no fp8 gemv gate/up; n_split streams the down (no resident
-        # block: that is bf16/fp16). fp8: one K step per 128-wide scale block and activation
-        # group. mxfp4: K steps of whole 32-wide scale groups, at least MX_MIN_K, and weight
-        # tiles by plain loads (packed K, not what a descriptor's box holds)
-        gate_up_k, down_k = (128, 128) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
+    if not shape.interleaved:  # no fp8 gemv gate/up. fp8: one K step per 128-wide scale
+        # block and activation group. mxfp4: K steps of whole 32-wide scale groups, at least
+        # MX_MIN_K, and weight tiles by plain loads (packed K, not what a descriptor's box holds)
+        gate_up_k, down_k = (FP8_STEP, FP8_STEP) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
                                                           max(config.down.block_k, MX_MIN_K))
         config = replace(config,
                          gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv and not shape.fp8,
@@ -295,6 +299,8 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
                          down=replace(config.down, weight_left=False))
     if shape.weights != "fp8-block":  # the Gluon gate/up is block-fp8's
         config = replace(config, gate_up=replace(config.gate_up, gluon=False))
+    if config.down.resident and (shape.weights != "fp8-block" or shape.inter > RESIDENT_MAX_I):
+        config = replace(config, down=replace(config.down, resident=False))  # bf16/fp16's is implied by n_split
     return fit_shared(config, shape, num_tokens, smem_bytes)
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import layout
+from .configs import FP8_STEP
 
 SILU: tl.constexpr = tl.constexpr(0)
 SITU: tl.constexpr = tl.constexpr(1)
@@ -41,7 +42,7 @@ W_TENSOR: tl.constexpr = tl.constexpr(1)
 W_CHANNEL: tl.constexpr = tl.constexpr(2)
 W_BLOCK: tl.constexpr = tl.constexpr(3)
 W_MXFP4: tl.constexpr = tl.constexpr(4)  # w4a16: e2m1 pairs packed along K, an e8m0 scale per 32 (not w8a8)
-SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # fp8 block scales and activation groups are 128 wide
+SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_STEP)  # fp8 block scales and activation groups are 128 wide
 MX_GROUP: tl.constexpr = tl.constexpr(32)  # mxfp4: K values per e8m0 scale
 MX_WORD_ROWS: tl.constexpr = tl.constexpr(layout.MX_WORD_ROWS)  # mx_words: rows stored together
 MX_WORD_CHUNK: tl.constexpr = tl.constexpr(layout.MX_WORD_K // 8)  # mx_words: words of a row per chunk
@@ -847,29 +848,47 @@ def down_kernel(
 
 @triton.jit
 def down_resident_kernel(
-    a_ptr, w_ptr, out_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     num_experts, hidden, inter,
-    stride_am, stride_we, stride_wn, stride_om,
-    WEIGHT_ON_INPUT: tl.constexpr, W_DESC: tl.constexpr, N_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    WEIGHT_ON_INPUT: tl.constexpr, W_DESC: tl.constexpr, FP8_STEPS: tl.constexpr, ONE_SCALE: tl.constexpr,
+    W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_LO: tl.constexpr, K_HI: tl.constexpr,
 ):
-    """down_kernel for bf16/fp16 with a small I (K_LO + K_HI >= I, powers of two; K_HI may
-    be 0): the program's activation tile `[TILE_M, I]` is loaded once, then multiplied by
-    its share of the N tiles in turn (N_SPLIT programs per row tile), so only weight tiles
-    stream, in a loop long enough to pipeline (a program per tile has two to six K steps).
+    """down_kernel for a small I: the program's activation tile `[TILE_M, I]` is loaded once,
+    then multiplied by its share of the N tiles in turn (N_SPLIT programs per row tile), so
+    only weight tiles stream, in a loop long enough to pipeline (a program per tile has two
+    to six K steps).
+    - bf16/fp16 (FP8_STEPS 0): two K tiles, K_LO + K_HI >= I, powers of two (K_HI may be 0).
+    - Block fp8 (FP8_STEPS > 0, at most 4): activations quantised by quantize_groups (a scale
+      per row and 128 columns); FP8_STEPS K steps of 128, each dot rescaled by its row and
+      block scales as _mma_step does (ONE_SCALE, W_LEFT: its options); K_LO is 128 (the
+      descriptor's box), K_HI 0.
     W_DESC: weight tiles through tensor descriptors (_weight_desc). Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
                                                   num_padded_ptr, BLOCK_M, TILE_M)
     if expert < 0:
         return
-    offs_lo = tl.arange(0, K_LO)
-    a_rows = a_ptr + buffer_rows[:, None] * stride_am
-    a_lo = tl.load(a_rows + offs_lo[None, :], mask=rows[:, None] & (offs_lo < inter)[None, :], other=0.0)
-    if K_HI > 0:
-        offs_hi = K_LO + tl.arange(0, K_HI)
-        a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
+    a_rows = a_ptr + buffer_rows.to(tl.int64)[:, None] * stride_am
+    if FP8_STEPS > 0:
+        scale_rows = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
+        a0, s0 = _resident_fp8_step_a(a_rows, scale_rows, rows, inter, 0)
+        if FP8_STEPS > 1:
+            a1, s1 = _resident_fp8_step_a(a_rows, scale_rows, rows, inter, 1)
+        if FP8_STEPS > 2:
+            a2, s2 = _resident_fp8_step_a(a_rows, scale_rows, rows, inter, 2)
+        if FP8_STEPS > 3:
+            a3, s3 = _resident_fp8_step_a(a_rows, scale_rows, rows, inter, 3)
+    else:
+        offs_lo = tl.arange(0, K_LO)
+        a_lo = tl.load(a_rows + offs_lo[None, :], mask=rows[:, None] & (offs_lo < inter)[None, :], other=0.0)
+        if K_HI > 0:
+            offs_hi = K_LO + tl.arange(0, K_HI)
+            a_hi = tl.load(a_rows + offs_hi[None, :], mask=rows[:, None] & (offs_hi < inter)[None, :], other=0.0)
+    desc_lo = w_ptr
+    desc_hi = w_ptr
     if W_DESC:
         desc_lo = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_LO)
         if K_HI > 0:
@@ -881,24 +900,62 @@ def down_resident_kernel(
     per_program = tl.cdiv(tiles, N_SPLIT)
     first = (tl.program_id(0) % N_SPLIT) * per_program
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     for tile in range(first, tl.minimum(first + per_program, tiles)):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hidden
-        if W_DESC:  # rows past the expert's H only feed masked columns
-            w_row = expert * hidden + tile * BLOCK_N
-            acc = tl.dot(a_lo, desc_lo.load([w_row, 0]).T)
-            if K_HI > 0:
-                acc = tl.dot(a_hi, desc_hi.load([w_row, K_LO]).T, acc)
+        w_row = expert * hidden + tile * BLOCK_N  # descriptors: rows past the expert's H only feed masked columns
+        w_cols = w_expert + offs_n[None, :] * stride_wn
+        if FP8_STEPS > 0:
+            acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+            acc = _resident_fp8_step(acc, a0, s0, desc_lo, w_cols, w_row, offs_n, n_ok, scale_base, stride_sn, inter,
+                                     0, W_DESC, ONE_SCALE, W_LEFT)
+            if FP8_STEPS > 1:
+                acc = _resident_fp8_step(acc, a1, s1, desc_lo, w_cols, w_row, offs_n, n_ok, scale_base, stride_sn,
+                                         inter, 1, W_DESC, ONE_SCALE, W_LEFT)
+            if FP8_STEPS > 2:
+                acc = _resident_fp8_step(acc, a2, s2, desc_lo, w_cols, w_row, offs_n, n_ok, scale_base, stride_sn,
+                                         inter, 2, W_DESC, ONE_SCALE, W_LEFT)
+            if FP8_STEPS > 3:
+                acc = _resident_fp8_step(acc, a3, s3, desc_lo, w_cols, w_row, offs_n, n_ok, scale_base, stride_sn,
+                                         inter, 3, W_DESC, ONE_SCALE, W_LEFT)
         else:
-            w_cols = w_expert + offs_n[None, :] * stride_wn
-            w = tl.load(w_cols + offs_lo[:, None], mask=(offs_lo < inter)[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a_lo, w)
+            acc = tl.dot(a_lo, _resident_w(desc_lo, w_cols, w_row, n_ok, inter, 0, K_LO, W_DESC))
             if K_HI > 0:
-                w = tl.load(w_cols + offs_hi[:, None], mask=(offs_hi < inter)[:, None] & n_ok[None, :], other=0.0)
-                acc = tl.dot(a_hi, w, acc)
+                acc = tl.dot(a_hi, _resident_w(desc_hi, w_cols, w_row, n_ok, inter, K_LO, K_HI, W_DESC), acc)
         if not WEIGHT_ON_INPUT:
             acc *= route_weight
         tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _resident_w(desc, w_cols, w_row, n_ok, inter, k0, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+    """down_resident_kernel's weight tile `[BLOCK_K, BLOCK_N]`, columns k0.. of I: through the
+    descriptor (its rows from `w_row` on) or by plain loads (`w_cols`, zeros past I)."""
+    if W_DESC:
+        w = desc.load([w_row, k0]).T
+    else:
+        offs = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_cols + offs[:, None], mask=(offs < inter)[:, None] & n_ok[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _resident_fp8_step_a(a_rows, scale_rows, rows, inter, k: tl.constexpr):
+    """Block-fp8 down_resident_kernel's K step `k` of the activation tile (`[TILE_M, 128]`,
+    quantised) and its row scales."""
+    offs = k * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+    a = tl.load(a_rows + offs[None, :], mask=rows[:, None] & (offs < inter)[None, :], other=0.0)
+    return a, tl.load(scale_rows + k, mask=rows, other=0.0)
+
+
+@triton.jit
+def _resident_fp8_step(acc, a, a_scale, desc, w_cols, w_row, offs_n, n_ok, scale_base, stride_sn, inter,
+                       k: tl.constexpr, W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr):
+    """acc += K step `k` of a block-fp8 resident tile, rescaled (_step_scales, _mma_step)."""
+    w = _resident_w(desc, w_cols, w_row, n_ok, inter, k * SCALE_BLOCK, SCALE_BLOCK, W_DESC)
+    w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_BLOCK, SCALE_BLOCK, ONE_SCALE)
+    return _mma_step(acc, a, a_scale, w, w_scale, W_BLOCK, "bf16", ONE_SCALE, False, W_LEFT)
 
 
 @triton.jit

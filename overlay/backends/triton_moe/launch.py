@@ -65,8 +65,9 @@ def compile_only() -> Iterator[None]:
 
 
 def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
-    w_quant = kwargs.get("W_QUANT")  # (Triton's CPU interpreter compiles nothing: no JITFunction there)
-    if (getattr(w_quant, "value", w_quant) in FP8_W_QUANT and isinstance(kernel, triton.runtime.jit.JITFunction)
+    w_quant = kwargs.get("W_QUANT")  # fp8 dots: W_QUANT's fp8 formats, or the resident down's FP8_STEPS
+    fp8 = getattr(w_quant, "value", w_quant) in FP8_W_QUANT or bool(kwargs.get("FP8_STEPS"))
+    if (fp8 and isinstance(kernel, triton.runtime.jit.JITFunction)  # (Triton's CPU interpreter: no JITFunction)
             and _block_pingpong_fails(triton.runtime.driver.active.get_current_device())):
         with triton.knobs.amd.scope():
             triton.knobs.amd.use_block_pingpong = False
@@ -383,30 +384,42 @@ def down(
     alignment: Alignment, layer: Layer, config: LaunchConfig, out: torch.Tensor,
 ) -> None:
     """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1).
-    n_split > 0: bf16/fp16 the resident down, other formats the streamed down_kernel."""
+    down_kernel a program per output tile; with n_split, the resident down (bf16/fp16, and block
+    fp8 where the entry says so) or down_kernel streamed."""
     cfg = config.down
-    if layer.shape.down_kind(cfg) == "resident":
-        _down_resident(a, w2, topk_weights, alignment, layer, config, out)
-        return
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
-    fp8, fp8_max = _fp8_args(w2)
     a_fp8 = _quantise_first(w2, cfg.block_k)
     a_fmt = A_FORMATS[a.dtype]
     a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded, layer.per_token) if a_fp8 else (a, a)
     tile_m, tiles_m = _down_row_tiles(config, alignment)
+    rows = (alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
+    if layer.shape.down_kind(cfg) == "resident":
+        k_low, k_high = (QUANT_GROUP, 0) if a_fp8 else resident_k(layer.shape.inter)
+        _launch(
+            kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
+            a, a_scale, w2, scale, out, topk_weights, *rows,
+            w2.shape[0], layer.shape.hidden, layer.shape.inter,
+            a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
+            WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=_descriptors(cfg, w2),
+            FP8_STEPS=triton.cdiv(layer.shape.inter, QUANT_GROUP) if a_fp8 else 0,
+            ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=weight_left(layer, cfg, tile_m),
+            N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
+    fp8, fp8_max = _fp8_args(w2)
     grid = (tiles_m * (cfg.n_split or triton.cdiv(layer.shape.hidden, cfg.block_n)),)
     _launch(
         kernels.down_kernel, grid,
-        a, a_scale, w2, scale, out, topk_weights,
-        alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
+        a, a_scale, w2, scale, out, topk_weights, *rows,
         tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
-        W_DESC=layer.pack == 1 and _descriptors(cfg, w2), ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0),
-        W_LEFT=weight_left(layer, cfg, tile_m), N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
+        MX_WORDS=layer.mx_words, W_DESC=layer.pack == 1 and _descriptors(cfg, w2),
+        ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=weight_left(layer, cfg, tile_m),
+        N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -420,25 +433,6 @@ def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[int, in
     """(rows per down program, row tiles in all): a block is one tile, or three (down_tile)."""
     tile_m = down_tile(config.block_m)
     return tile_m, alignment.num_blocks * (config.block_m // tile_m)
-
-
-def _down_resident(
-    a: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, alignment: Alignment, layer: Layer,
-    config: LaunchConfig, out: torch.Tensor,
-) -> None:
-    cfg = config.down
-    k_low, k_high = resident_k(layer.shape.inter)
-    tile_m, tiles_m = _down_row_tiles(config, alignment)
-    _launch(
-        kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
-        a, w2, out, topk_weights,
-        alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded,
-        w2.shape[0], layer.shape.hidden, layer.shape.inter,
-        a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=_descriptors(cfg, w2), N_SPLIT=cfg.n_split,
-        BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
 
 
 def down_tiny(
