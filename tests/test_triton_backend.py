@@ -322,6 +322,8 @@ def test_resident_flag_turns_block_fp8_downs_of_small_i_resident_and_nothing_els
     assert [s.down_kind(d) for s, d in zip(shapes, downs, strict=True)] == [
         "resident", "streamed", "streamed", "streamed", "resident"]
     assert shapes[0].down_kind(replace(downs[0], n_split=0)) == "tiled"
+    # a config that still carries the flag (one not from launch_config) runs streamed where it does not apply
+    assert [s.down_kind(downs[0]) for s in shapes[1:4]] == ["streamed"] * 3
     # its shared memory: the 64-row activation block and 3 stages of 64-row weight tiles, three K steps, one byte
     assert configs.resident_bytes(64, downs[0], shapes[0]) == (64 + 3 * 64) * 384
 

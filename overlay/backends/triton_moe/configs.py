@@ -176,6 +176,12 @@ class LayerShape:
         return self.weights.startswith("fp8")
 
     @property
+    def resident_fp8(self) -> bool:
+        """Block fp8 with an I that down_resident_kernel's K steps hold (RESIDENT_MAX_I): its
+        down may be resident where the entry says so."""
+        return self.weights == "fp8-block" and self.inter <= RESIDENT_MAX_I
+
+    @property
     def interleaved(self) -> bool:
         """w13 rows gate/up-interleaved (the backend's layout for bf16/fp16): one dot computes
         both. fp8 and mxfp4 stay canonical: their scale blocks span canonical rows."""
@@ -187,7 +193,7 @@ class LayerShape:
         down_resident_kernel) or "streamed" (down_kernel walking N tiles)."""
         if not down.n_split:
             return "tiled"
-        return "resident" if self.interleaved or down.resident else "streamed"
+        return "resident" if self.interleaved or (down.resident and self.resident_fp8) else "streamed"
 
 
 def resident_k(inter: int) -> tuple[int, int]:
@@ -299,7 +305,7 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
                          down=replace(config.down, weight_left=False))
     if shape.weights != "fp8-block":  # the Gluon gate/up is block-fp8's
         config = replace(config, gate_up=replace(config.gate_up, gluon=False))
-    if config.down.resident and (shape.weights != "fp8-block" or shape.inter > RESIDENT_MAX_I):
+    if config.down.resident and not shape.resident_fp8:
         config = replace(config, down=replace(config.down, resident=False))  # bf16/fp16's is implied by n_split
     return fit_shared(config, shape, num_tokens, smem_bytes)
 

@@ -178,7 +178,7 @@ def resident_down_candidates(block_m: int, shape: LayerShape, smem_bytes: int) -
     rows under wgmma's 64). Block fp8 at M=8192 on an H200, the activation tile loaded once
     rather than once per N tile (with its quantisation): DeepSeek-V3's down 597-630 -> 502 us,
     Kimi-K3's 981-996 -> 823."""
-    if shape.inter > RESIDENT_MAX_I or not (shape.interleaved or shape.weights == "fp8-block"):
+    if shape.inter > RESIDENT_MAX_I or not (shape.interleaved or shape.resident_fp8):
         return []
     if shape.interleaved:
         k = sum(resident_k(shape.inter))
