@@ -43,7 +43,7 @@ class KernelConfig:
     group_m: int = 1
     split_k: int = 1  # tiny mode: gate/up programs per expert and N tile along K; down, per token and N tile
     n_split: int = 0  # general down only, > 0: programs per row tile, each walking its share of the N tiles
-    # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed, or resident where set)
+    # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed; block fp8 resident with `resident`)
     gemv: bool = False  # tiny bf16/fp16/mxfp4 gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
