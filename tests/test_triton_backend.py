@@ -682,7 +682,9 @@ def test_compile_tasks_cover_every_candidate_once():
                         for kind, cfg in kernels]
             assert sorted(compiled, key=repr) == sorted([("gate_up", g) for g in c.gate_up]
                                                         + [("down", d) for d in c.down], key=repr)
-    assert {g.split_k for _, cands in plan[:1] for g in cands[0].gate_up} == {1, 2, 4, 8, 16}  # M=1 is tiny
+    tiny = plan[0][1][0].gate_up  # M=1 is tiny
+    assert {g.split_k for g in tiny} == {1, 2, 4, 8, 16}
+    assert {g.num_stages for g in tiny if g.num_warps == 4 and not g.gemv} == {3, 4, 6}
 
 
 def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_budget():

@@ -154,14 +154,16 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
     warps for wider tiles (more warps in flight: the one-token gate/up runs under one wave,
-    register-bound; DeepSeek-V3 fp8-block 21.6 -> 20.5 us a layer on an H200). For
+    register-bound; DeepSeek-V3 fp8-block 21.6 -> 20.5 us a layer on an H200). Three stages
+    too, not only four and six: less shared memory a program, more programs a multiprocessor
+    (DeepSeek-V3 fp8-block's gate/up 14.3 -> 13.9 us on an H200; two stages never won). For
     bf16/fp16 and mxfp4 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
     products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
     pipelines only loops with one: more stages compile the same kernel)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
-            for stages in (4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
+            for stages in (3, 4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     grid += [KernelConfig(n, k, 8, 3, split_k=s) for n in block_ns if n >= 32 for k in block_ks for s in (2, 4, 8)]
     if fp8:
         grid += _weight_left(grid)
