@@ -440,6 +440,7 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
 
     offered = gluon_gate_ups("DeepSeek-V3", "fp8-block", 8192)
     assert offered and all(m == configs.GLUON_BLOCK_M and g.num_warps == 4 for m, g in offered)
+    assert {g.block_n for _, g in offered} == {32, 64}
     for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 1024), ("Maverick", "fp8-channel-token", 8192),
                                    ("DeepSeek-V3", "bf16", 8192), ("Kimi-K3", "mxfp4", 8192)):
         assert not gluon_gate_ups(model, weights, tokens), (model, weights, tokens)  # no block of 64 / not block fp8
@@ -460,6 +461,8 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
     layer = launch.Layer(shapes[2], granularity="block")
     compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
     assert uses(layer, block) == compiled
+    assert uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=32))) == compiled
+    assert not uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=256)))  # two scale blocks
     assert not uses(layer, block, sorted_mode=False)  # tiny mode
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, gluon=False)))
     assert not uses(layer, replace(block, block_m=32))

@@ -170,13 +170,14 @@ GLUON_SPECS = [with_weights(spec, "fp8-block") for spec in (  # H a whole number
 @fp8_ok
 @pytest.mark.parametrize("spec", GLUON_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
 @pytest.mark.parametrize("m", [40, 300])  # blocks of 64 partly filled, and experts of several blocks
-def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, tmp_path, monkeypatch):
+@pytest.mark.parametrize("block_n", [64, 32])
+def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, block_n, tmp_path, monkeypatch):
     """The same entry with and without `gluon` (gluon_kernels on NVIDIA from sm_90, which must
-    take it there; elsewhere both run kernels.gate_up_kernel): the same sums in the same
-    order, so the same output, and the reference's within fp8's error."""
+    take it there; elsewhere both run kernels.gate_up_kernel), N tiles of 64 and of 32: the
+    same sums in the same order, so the same output, and the reference's within fp8's error."""
     from moe_overlay.backends.triton_moe import launch
 
-    kernel = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1}
+    kernel = {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1}
     outs = []
     for gluon in (False, True):
         entry = {"block_m": 64, "gate_up": {**kernel, "gluon": gluon}, "down": kernel}

@@ -165,9 +165,9 @@ def test_fp8_weight_left_entries_take_wgmma_from_hopper_on(arch, device):
 
 
 GLUON_LAUNCHES = {  # block-fp8 sorted gate/up in blocks of 64 rows, through gluon_kernels where the entry asks
-    f"gluon {gluon}": (300, _config(64, {"block_n": 64, "block_k": 128, "num_stages": 4, "gluon": gluon},
-                                    {"block_n": 128, "block_k": 128}))
-    for gluon in (False, True)
+    f"gluon {gluon}, {block_n} columns": (300, _config(64, {"block_n": block_n, "block_k": 128, "num_stages": 4,
+                                                            "gluon": gluon}, {"block_n": 128, "block_k": 128}))
+    for gluon, block_n in ((False, 64), (True, 64), (True, 32))
 }
 
 
@@ -184,8 +184,9 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
     spec = with_weights(mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0)), "fp8-block")
     compiled = _compile(GLUON_LAUNCHES, arch, device, spec)
     gluon = list(gluon_kernels.gate_up_block_fp8_kernel.device_caches.get(device, ({},))[0].values())
-    assert len(gluon) == (1 if arch >= 90 else 0)
-    assert len(compiled["gate_up_kernel"]) == 1  # the entry without the flag (and on Ada, both entries)
+    assert len(gluon) == (2 if arch >= 90 else 0)  # N tiles of 64 and 32
+    assert len(compiled["gate_up_kernel"]) == (1 if arch >= 90 else 2)  # the entry without the flag; Ada: all
+    registers = {}  # by shared memory
     for kernel in gluon:
         cubin = kernel.asm["cubin"]
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -193,8 +194,13 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
             f.flush()
             sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
                                   check=True).stdout
+            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                                   text=True, check=True).stdout
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass)
         assert "0x1" in waits and sass.count("GMMA") >= 2, waits
+        registers[kernel.metadata.shared] = int(re.search(r"REG:(\d+)", usage).group(1))
+    if gluon:  # N tiles of 32 (the smaller ring): three programs of 4 warps fit a multiprocessor's registers
+        assert registers[min(registers)] <= 65536 // (3 * 128), registers
 
 
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
