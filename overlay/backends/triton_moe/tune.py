@@ -160,10 +160,9 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     register-bound; DeepSeek-V3 fp8-block 21.6 -> 20.5 us a layer on an H200). Three stages
     too, not only four and six: less shared memory a program, more programs a multiprocessor
     (fp8-block gate/ups on an H200: DeepSeek-V3's 14.3 -> 13.9 us, Kimi-K3's 18.9 -> 17.6; two
-    stages never won). For
-    bf16/fp16 and mxfp4 also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
-    products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
-    pipelines only loops with one: more stages compile the same kernel)."""
+    stages never won). For bf16/fp16 and mxfp4 also the gemv kernel, a route per program:
+    2 * BLOCK_N x BLOCK_K products in registers, 8 to 64 per thread, one stage (its loop has
+    no dot, and Triton pipelines only loops with one: more stages compile the same kernel)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
