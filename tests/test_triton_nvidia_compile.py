@@ -186,7 +186,6 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
     gluon = list(gluon_kernels.gate_up_block_fp8_kernel.device_caches.get(device, ({},))[0].values())
     assert len(gluon) == (2 if arch >= 90 else 0)  # N tiles of 64 and 32
     assert len(compiled["gate_up_kernel"]) == (1 if arch >= 90 else 2)  # the entry without the flag; Ada: all
-    registers = {}  # by shared memory
     for kernel in gluon:
         cubin = kernel.asm["cubin"]
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -194,13 +193,8 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
             f.flush()
             sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
                                   check=True).stdout
-            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
-                                   text=True, check=True).stdout
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass)
         assert "0x1" in waits and sass.count("GMMA") >= 2, waits
-        registers[kernel.metadata.shared] = int(re.search(r"REG:(\d+)", usage).group(1))
-    if gluon:  # N tiles of 32 (the smaller ring): three programs of 4 warps fit a multiprocessor's registers
-        assert registers[min(registers)] <= 65536 // (3 * 128), registers
 
 
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
