@@ -60,7 +60,7 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     runs = {"one token": (1, tiny), "64 tokens": (64, general), "1024 tokens": (1024, wide),
             "64 tokens, down over N tiles": (64, dataclasses.replace(
                 general, down=dataclasses.replace(general.down, n_split=2)))}
-    if not weights.startswith("fp8"):
+    if layer.shape.has_gemv:
         runs["one token, gemv gate/up"] = (1, dataclasses.replace(
             tiny, gate_up=dataclasses.replace(tiny.gate_up, gemv=True, block_n=8, num_stages=1)))
     if layer.shape.interleaved:
@@ -125,7 +125,7 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
     assert names == {
         "align_count_kernel", "align_scatter_kernel", "gate_up_kernel", "down_kernel", "down_tiny_kernel",
         "sum_routes_kernel", *(["quantize_tokens_kernel" if per_token else "quantize_groups_kernel"] if fp8 else []),
-        *([] if fp8 else ["gate_up_gemv_kernel"]),
+        *(["gate_up_gemv_kernel"] if "one token, gemv gate/up" in compiled else []),
         *(["down_resident_kernel"] if weights in ("bf16", "fp8-block") else [])}
     expected = MATRIX[(arch, weights.split("-")[0])]
     for launch_name, code in compiled.items():

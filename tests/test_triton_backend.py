@@ -348,7 +348,7 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     assert config.down.n_split == 2  # the streamed down reads packed tiles as the tiled one does
 
 
-def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_path, monkeypatch):
+def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_mxfp4_and_block_fp8_only(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
@@ -360,23 +360,28 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_and_mxfp4_not_fp8(tmp_pa
     gemv = [g for g in gate_ups("Maverick", "bf16", 1) if g.gemv]
     assert gemv and all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in gemv)
     assert {g.split_k for g in gemv} <= {g.split_k for g in gate_ups("Maverick", "bf16", 1) if not g.gemv}
-    assert not any(g.gemv for g in gate_ups("DeepSeek-V3", "fp8-block", 1))
+    block = [g for g in gate_ups("DeepSeek-V3", "fp8-block", 1) if g.gemv]  # a scale block a K step
+    assert block and {g.block_k for g in block} == {configs.FP8_STEP}
+    assert all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in block)
+    assert not any(g.gemv for g in gate_ups("Maverick", "fp8-channel-token", 1))
     mxfp4 = [g for g in gate_ups("Kimi-K3", "mxfp4", 1) if g.gemv]
     assert mxfp4 and all(g.block_k >= configs.MX_MIN_K for g in mxfp4)
     assert not any(g.gemv for g in gate_ups("Maverick", "bf16", 1024))
 
     tiny = {**_entry(16), "gate_up": {**_entry(16)["gate_up"], "split_k": 4, "gemv": True}}
-    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
+    shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block", "fp8-channel")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"1": tiny} for s in shapes}})))
-    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 1) for s in shapes)
+    bf16, block, channel = (launch.launch_config(s, torch.device("cpu"), 1) for s in shapes)
     assert bf16.gate_up.gemv and bf16.gate_up.split_k == 4
-    assert not fp8.gate_up.gemv  # fp8 has no gemv kernel: the dot kernel runs
+    assert block.gate_up.gemv and block.gate_up.block_k == configs.FP8_STEP  # its K step made the scale block
+    assert not channel.gate_up.gemv  # per-channel fp8 has no gemv kernel: the dot kernel runs
     assert configs.LaunchConfig.from_json(bf16.to_json()) == bf16
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
-    layer = launch.Layer(shapes[1])
-    with pytest.raises(ValueError, match="bf16/fp16 or mxfp4 weights, not fp8-block"):
-        launch._gate_up_gemv(*(torch.empty(1),) * 6, layer, bf16.gate_up, torch.empty(1), False)
+    with pytest.raises(ValueError, match="bf16/fp16, mxfp4 or fp8-block weights, not fp8-channel"):
+        launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[2]), bf16.gate_up, torch.empty(1), False)
+    with pytest.raises(ValueError, match="steps one 128-wide scale block, not 64"):
+        launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[1]), bf16.gate_up, torch.empty(1), False)
 
 
 def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def test_mxfp4_reads_the_packed_weights_and_every_scale():
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
-# the splits) and narrow tiles, and with the gemv gate/up (fp8 ignores it); sorted mode with
+# the splits) and narrow tiles, and with the gemv gate/up (per-channel fp8 ignores it); sorted mode with
 # blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its
 # share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
 # down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows
@@ -245,6 +245,37 @@ def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, mon
     _check(spec, m, tol=2e-2)
 
 
+@needs_cuda
+@fp8_ok
+@pytest.mark.parametrize("spec", [
+    with_weights(mo.MoESpec(8, 320, 200, 4, mo.Activation.situ(3.0, 9.0)), "fp8-block"),
+    with_weights(mo.MoESpec(8, 384, 256, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, -1)),
+                 "fp8-block"),
+], ids=["partial-step-situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("gemv", [(16, 2, 4), (32, 4, 1)], ids=["16-columns-split-4", "32-columns"])
+def test_block_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv, tmp_path, monkeypatch):
+    """Tiny block fp8 through the gemv gate/up (a scale block a K step, the last one partial
+    in H=320; N tiles past I=200; the activation quantised each step as the dot kernel's tiny
+    mode does) and through the dot kernel, same entry otherwise: outputs within fp32 rounding
+    of each other, and the reference's within fp8's error."""
+    from moe_overlay.backends.triton_moe import launch
+
+    block_n, warps, split = gemv
+    down = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "group_m": 1}
+    outs = []
+    for use in (False, True):
+        gate_up = {"block_n": block_n if use else 64, "block_k": 128, "num_warps": warps, "num_stages": 1 if use else 3,
+                   "group_m": 1, "split_k": split, "gemv": use}
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): {
+            "block_m": 16, "gate_up": gate_up, "down": down}}}}
+        (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
+        assert launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m).gate_up.gemv == use
+        outs.append(_check(spec, m, tol=2e-2)[1])
+    assert relative_error(outs[1], outs[0]) < 1e-3
+
+
 @needs_device
 @pytest.mark.parametrize("gemv", [False, True])
 def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
@@ -283,7 +314,7 @@ def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
 def test_one_token_pdl_launches_equal_plain_ones_in_cuda_graphs(spec, gemv):
     """The down started by programmatic dependent launch (where the GPU has it) reads the
     activation only after its gate/up has written all of it: the same bits as plain launches,
-    called eagerly and replayed from a CUDA graph with another token (fp8 has no gemv gate/up)."""
+    called eagerly and replayed from a CUDA graph with another token."""
     from moe_overlay.backend import Platform
     from moe_overlay.backends.triton_moe import launch
     from moe_overlay.backends.triton_moe.backend import TritonBackend
@@ -295,7 +326,7 @@ def test_one_token_pdl_launches_equal_plain_ones_in_cuda_graphs(spec, gemv):
     layer = launch.Layer.of(tokens[0][0], t["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
                             False, spec.quant.granularity)
     fp8 = spec.quant.weights == "fp8"
-    gate_up = KernelConfig(16, 128 if fp8 else 64, 4, 1 if gemv else 2, split_k=2, gemv=gemv and not fp8)
+    gate_up = KernelConfig(16, 128 if fp8 else 64, 4, 1 if gemv else 2, split_k=2, gemv=gemv)
     outs = {}
     for pdl in (False, True):
         config = LaunchConfig(16, gate_up, KernelConfig(16, 128 if fp8 else 64, 4, 1, split_k=2, pdl=pdl))
