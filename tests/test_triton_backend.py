@@ -517,15 +517,98 @@ def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(
     monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
     config = configs.LaunchConfig.from_json(_entry(16))
     kinds = []
-    best, s = tune._with_pdl(Layer(), config, kinds)
+    best, s = min(tune._with_pdl(Layer(), [config], kinds), key=lambda r: r[1])
     assert best.down.pdl and s == 3.0 and best.gate_up == config.gate_up
-    assert [c.down.pdl for c in ran] == [False, True] and kinds == [f"layer: no PDL {1e6:.1f} us, PDL {0.75e6:.1f} us"]
+    assert [c.down.pdl for c in ran] == [False, True]
+    assert kinds == [f"layer, dot gate/up: no PDL {1e6:.1f} us, PDL {0.75e6:.1f} us"]
     seconds[True] = 5.0
-    assert tune._with_pdl(Layer(), config, [])[0] == config  # slower with PDL: left off
+    assert min(tune._with_pdl(Layer(), [config], []), key=lambda r: r[1])[0] == config  # slower with PDL: left off
     ran.clear()
     monkeypatch.setattr(launch, "uses_pdl", lambda config: False)  # no PDL on this GPU: timed once, plain
-    assert tune._with_pdl(Layer(), config, []) == (config, 4.0) and len(ran) == 1
+    assert tune._with_pdl(Layer(), [config], []) == [(config, 4.0)] and len(ran) == 1
     assert configs.LaunchConfig.from_json(best.to_json()) == best
+
+
+def test_tuner_times_the_fastest_gemv_and_dot_one_token_pairs_as_layers(monkeypatch):
+    """The gate/up and down timed apart rank the pairs; the fastest of each gate/up kind
+    (dot, gemv) is then timed as a whole layer (with and without PDL), and the faster layer
+    wins, even where its pair ranked second: the overlap of the two launches differs by kind."""
+    from moe_overlay.backends.triton_moe import launch, timing, tune
+
+    base = configs.LaunchConfig.from_json(_entry(16))
+    dots = [replace(base, gate_up=replace(base.gate_up, split_k=s)) for s in (2, 4)]
+    gemvs = [replace(base, gate_up=replace(base.gate_up, split_k=s, gemv=True)) for s in (2, 4)]
+    pairs = [(dots[0], 1.0), (gemvs[1], 1.1), (dots[1], 1.2), (gemvs[0], 1.3)]
+    assert tune._leaders(pairs) == [dots[0], gemvs[1]]
+
+    layer_seconds = {(False, False): 3.0, (False, True): 2.8, (True, False): 2.9, (True, True): 2.5}
+    ran = []
+
+    class Layer:
+        def run_layer(self, config):
+            ran.append(config)
+
+    def fake_seconds(fn, **_):
+        fn()
+        return layer_seconds[(ran[-1].gate_up.gemv, ran[-1].down.pdl)]
+
+    monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
+    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
+    kinds = []
+    best, s = min(tune._with_pdl(Layer(), tune._leaders(pairs), kinds), key=lambda r: r[1])
+    assert best.gate_up == gemvs[1].gate_up and best.down.pdl and s == 2.5
+    assert len(ran) == 4 and [k.split(":")[0] for k in kinds] == ["layer, dot gate/up", "layer, gemv gate/up"]
+
+
+def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_layer(monkeypatch):
+    """A one-token point: gate/ups ranked per K split and kind (dot, gemv), each with the
+    fastest down; the fastest pair of each kind is timed as a layer, with and without PDL, and
+    the fastest layer is the entry, here a gemv pair that ranked second by its kernels' times."""
+    from moe_overlay.backends.triton_moe import launch, timing, tune
+
+    point = points_from_args(_parse(["tune", "--model", "Kimi-K3", "--weights", "fp8-block", "--tokens", "1"]))[0]
+
+    def dot(split):
+        return configs.KernelConfig(64, 128, 4, 3, split_k=split, weight_left=True)
+
+    def gemv(split):
+        return configs.KernelConfig(16, 128, 2, 1, split_k=split, gemv=True)
+
+    down = configs.KernelConfig(16, 128, 4, 1)
+    kernel_seconds = {dot(2): 5.0, dot(4): 4.0, gemv(2): 4.5, gemv(4): 6.0, down: 3.0}
+    ran = []
+
+    class FakeProblem:
+        tiny = True
+
+        def __init__(self, point, routings, random):
+            pass
+
+        def runners(self, block_m):
+            return (lambda cfg: ran.append(("gate_up", cfg)), lambda cfg: ran.append(("down", cfg)))
+
+        def run_layer(self, config):
+            ran.append(("layer", config))
+
+    def fake_seconds(fn, **_):
+        fn()
+        kind, cfg = ran[-1]
+        if kind == "layer":
+            return 7.0 if cfg.gate_up.gemv and cfg.down.pdl else 8.0
+        return kernel_seconds[cfg]
+
+    monkeypatch.setattr(tune, "Problem", FakeProblem)
+    monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
+    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
+    config, seconds, kinds = tune.tune_point(point, [tune.Candidates(16, [dot(2), dot(4), gemv(2), gemv(4)], [down])])
+    assert config.gate_up == gemv(2) and config.down == replace(down, pdl=True)
+    assert seconds == 7.0 / tune.ROUTINGS
+    assert [k.split(":")[0] for k in kinds] == [
+        "block_m 16 split_k 2", "block_m 16 split_k 2 gemv", "block_m 16 split_k 4", "block_m 16 split_k 4 gemv",
+        "layer, dot gate/up", "layer, gemv gate/up"]
+    assert [cfg for kind, cfg in ran if kind == "layer"] == [
+        replace(configs.LaunchConfig(16, dot(4), down), down=replace(down, pdl=p)) for p in (False, True)] + [
+        replace(configs.LaunchConfig(16, gemv(2), down), down=replace(down, pdl=p)) for p in (False, True)]
 
 
 def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):

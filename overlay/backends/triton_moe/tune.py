@@ -223,11 +223,6 @@ class Candidates:
     gate_up: list[KernelConfig]
     down: list[KernelConfig]
 
-    @property
-    def splits(self) -> list[int]:
-        """gate/up's K splits (tiny mode)."""
-        return sorted({g.split_k for g in self.gate_up})
-
 
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
@@ -390,7 +385,7 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
     """The fastest (block_m, gate/up, down) for one point, its time per call in seconds, and
     the fastest time of each kind of launch tried (for --explain)."""
     problem = Problem(point, ROUTINGS, random=True)
-    best: tuple[LaunchConfig, float] | None = None
+    pairs: list[tuple[LaunchConfig, float]] = []
     kinds: list[str] = []
 
     def us(seconds: float) -> str:
@@ -404,35 +399,51 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
                  if (r := _fastest(down, ds, not problem.tiny and point.shape.weights != "mxfp4"))}
-        for split in c.splits:
-            gu = _fastest(gate_up, [g for g in c.gate_up if g.split_k == split],
+        for split, gemv in sorted({(g.split_k, g.gemv) for g in c.gate_up}):
+            gu = _fastest(gate_up, [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)],
                           not problem.tiny and point.shape.interleaved)
             if gu is None or not downs:
                 continue
             down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
-            kinds.append(f"block_m {c.block_m} split_k {split}: gate/up {us(gu[1])} us, down "
-                         + ", ".join(f"{k} {us(s)}" for k, (_, s) in downs.items()))
-            if best is None or gu[1] + down_s < best[1]:
-                best = (LaunchConfig(c.block_m, gu[0], down_cfg), gu[1] + down_s)
-    if best is None:
+            kinds.append(f"block_m {c.block_m} split_k {split}{' gemv' if gemv else ''}: gate/up {us(gu[1])} us, "
+                         "down " + ", ".join(f"{k} {us(s)}" for k, (_, s) in downs.items()))
+            pairs.append((LaunchConfig(c.block_m, gu[0], down_cfg), gu[1] + down_s))
+    if not pairs:
         raise RuntimeError(f"no candidate launch configuration ran for {point.name} M={point.tokens}")
-    if problem.tiny:
-        best = _with_pdl(problem, best[0], kinds)
+    if problem.tiny and not (pairs := _with_pdl(problem, _leaders(pairs), kinds)):
+        raise RuntimeError(f"no one-token layer ran for {point.name} M={point.tokens}")
+    best = min(pairs, key=lambda r: r[1])
     return best[0], best[1] / ROUTINGS, kinds
 
 
-def _with_pdl(problem: Problem, config: LaunchConfig, kinds: list[str]) -> tuple[LaunchConfig, float]:
-    """Tiny mode's pair of launches timed together, the down started by programmatic dependent
-    launch and not (where the GPU has it: launch.uses_pdl), the faster kept. Its gain is an
-    overlap the kernels' separate timings cannot show: on an H200 1-2 us for most one-token
-    layers, and a loss of 1 us for Kimi-K3's bf16 one."""
+def _leaders(pairs: list[tuple[LaunchConfig, float]]) -> list[LaunchConfig]:
+    """The fastest pair (gate/up and down timed apart) of each kind of gate/up, dot and gemv,
+    fastest first: tiny mode times these again as whole layers (_with_pdl)."""
+    leaders: dict[bool, LaunchConfig] = {}
+    for config, _ in sorted(pairs, key=lambda r: r[1]):
+        leaders.setdefault(config.gate_up.gemv, config)
+    return list(leaders.values())
+
+
+def _with_pdl(problem: Problem, leaders: list[LaunchConfig], kinds: list[str]) -> list[tuple[LaunchConfig, float]]:
+    """Tiny mode's pairs of launches timed together, each leader's down started by
+    programmatic dependent launch and not (where the GPU has it: launch.uses_pdl): the layers
+    that ran and their seconds, for the fastest to be kept. PDL's gain is an overlap the
+    kernels' separate timings cannot show: on an H200 1-2 us for most one-token layers, and a
+    loss of 1 us for Kimi-K3's bf16 one. It differs by gate/up: beside the gemv's light
+    programs the down starts sooner (Kimi-K3 fp8-block: the gemv gate/up 0.9 us faster alone,
+    its layer 2.7 us), so a leader of each kind runs."""
     from . import launch
 
-    variants = [replace(config, down=replace(config.down, pdl=pdl)) for pdl in (False, True)]
-    timed = _timed(problem.run_layer, variants if launch.uses_pdl(variants[1]) else variants[:1])
-    kinds.append("layer: " + ", ".join(f"{'PDL' if c.down.pdl else 'no PDL'} {s / ROUTINGS * 1e6:.1f} us"
-                                       for c, s in sorted(timed, key=lambda r: r[0].down.pdl)))
-    return timed[0]
+    timed: list[tuple[LaunchConfig, float]] = []
+    for config in leaders:
+        variants = [replace(config, down=replace(config.down, pdl=pdl)) for pdl in (False, True)]
+        runs = _timed(problem.run_layer, variants if launch.uses_pdl(variants[1]) else variants[:1])
+        kinds.append(f"layer, {'gemv' if config.gate_up.gemv else 'dot'} gate/up: " + ", ".join(
+            f"{'PDL' if c.down.pdl else 'no PDL'} {s / ROUTINGS * 1e6:.1f} us"
+            for c, s in sorted(runs, key=lambda r: r[0].down.pdl)))
+        timed += runs
+    return timed
 
 
 def run(args: argparse.Namespace) -> int:
