@@ -173,7 +173,7 @@ def gate_up_tiny_candidates(shape: LayerShape, smem_bytes: int) -> list[KernelCo
         grid += _weight_left(grid)
     gemv_ns, gemv_ks = ((8, 16, 32), (FP8_STEP,)) if fp8 else ((4, 8, 16), (128, 256, 512))
     gemv = [KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in gemv_ns for k in gemv_ks
-            for w in (2, 4, 8) for s in (1, 2, 4, 8) if shape.has_gemv and 8 <= 2 * n * k // (32 * w) <= 64]
+            for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64] if shape.has_gemv else []
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
