@@ -348,7 +348,7 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
     assert config.down.n_split == 2  # the streamed down reads packed tiles as the tiled one does
 
 
-def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_mxfp4_and_block_fp8_only(tmp_path, monkeypatch):
+def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import launch
 
@@ -360,10 +360,10 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_mxfp4_and_block_fp8_only
     gemv = [g for g in gate_ups("Maverick", "bf16", 1) if g.gemv]
     assert gemv and all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in gemv)
     assert {g.split_k for g in gemv} <= {g.split_k for g in gate_ups("Maverick", "bf16", 1) if not g.gemv}
-    block = [g for g in gate_ups("DeepSeek-V3", "fp8-block", 1) if g.gemv]  # a scale block a K step
-    assert block and {g.block_k for g in block} == {configs.FP8_STEP}
-    assert all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in block)
-    assert not any(g.gemv for g in gate_ups("Maverick", "fp8-channel-token", 1))
+    for model, weights in (("DeepSeek-V3", "fp8-block"), ("Maverick", "fp8-channel-token")):
+        fp8 = [g for g in gate_ups(model, weights, 1) if g.gemv]  # a 128-wide group a K step
+        assert fp8 and {g.block_k for g in fp8} == {configs.FP8_STEP}
+        assert all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in fp8)
     mxfp4 = [g for g in gate_ups("Kimi-K3", "mxfp4", 1) if g.gemv]
     assert mxfp4 and all(g.block_k >= configs.MX_MIN_K for g in mxfp4)
     assert not any(g.gemv for g in gate_ups("Maverick", "bf16", 1024))
@@ -374,14 +374,12 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_bf16_mxfp4_and_block_fp8_only
                                                            {"cpu": {s.key: {"1": tiny} for s in shapes}})))
     bf16, block, channel = (launch.launch_config(s, torch.device("cpu"), 1) for s in shapes)
     assert bf16.gate_up.gemv and bf16.gate_up.split_k == 4
-    assert block.gate_up.gemv and block.gate_up.block_k == configs.FP8_STEP  # its K step made the scale block
-    assert not channel.gate_up.gemv  # per-channel fp8 has no gemv kernel: the dot kernel runs
+    for fp8 in (block, channel):  # their K step made the 128-wide group
+        assert fp8.gate_up.gemv and fp8.gate_up.block_k == configs.FP8_STEP
     assert configs.LaunchConfig.from_json(bf16.to_json()) == bf16
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
-    with pytest.raises(ValueError, match="bf16/fp16, mxfp4 or fp8-block weights, not fp8-channel"):
+    with pytest.raises(ValueError, match="steps one 128-wide group, not 64"):
         launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[2]), bf16.gate_up, torch.empty(1), False)
-    with pytest.raises(ValueError, match="steps one 128-wide scale block, not 64"):
-        launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[1]), bf16.gate_up, torch.empty(1), False)
 
 
 def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def test_mxfp4_reads_the_packed_weights_and_every_scale():
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
-# the splits) and narrow tiles, and with the gemv gate/up (per-channel fp8 ignores it); sorted mode with
+# the splits) and narrow tiles, and with the gemv gate/up; sorted mode with
 # blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its
 # share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
 # down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows
@@ -251,14 +251,18 @@ def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, mon
     with_weights(mo.MoESpec(8, 320, 200, 4, mo.Activation.situ(3.0, 9.0)), "fp8-block"),
     with_weights(mo.MoESpec(8, 384, 256, 1, apply_router_weight_on_input=True, expert_map=(0, -1, 1, -1, 2, 3, -1, -1)),
                  "fp8-block"),
-], ids=["partial-step-situ", "k1-oninput-ep"])
+    with_weights(mo.MoESpec(8, 320, 200, 2), "fp8-channel"),
+    with_weights(mo.MoESpec(8, 320, 200, 2), "fp8-tensor"),
+    with_weights(mo.MoESpec(8, 320, 200, 1), "fp8-channel-token"),
+], ids=["block-partial-step-situ", "block-k1-oninput-ep", "channel", "tensor", "channel-token"])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("gemv", [(16, 2, 4), (32, 4, 1)], ids=["16-columns-split-4", "32-columns"])
-def test_block_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv, tmp_path, monkeypatch):
-    """Tiny block fp8 through the gemv gate/up (a scale block a K step, the last one partial
-    in H=320; N tiles past I=200; the activation quantised each step as the dot kernel's tiny
-    mode does) and through the dot kernel, same entry otherwise: outputs within fp32 rounding
-    of each other, and the reference's within fp8's error."""
+def test_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv, tmp_path, monkeypatch):
+    """Tiny fp8 through the gemv gate/up (a 128-wide group a K step, the last one partial in
+    H=320; N tiles past I=200; the activation quantised per group, or per token over its whole
+    row, as the dot kernel's path does; block scales each step, channel and tensor scales
+    after) and through the dot kernel, same entry otherwise: outputs within fp32 rounding of
+    each other, and the reference's within fp8's error."""
     from moe_overlay.backends.triton_moe import launch
 
     block_n, warps, split = gemv

@@ -137,11 +137,13 @@ FP8_GEMV_LAUNCHES = {"one token, gemv gate/up": (1, _config(
     16, {"block_n": 32, "block_k": 128, "split_k": 4, "gemv": True, "num_stages": 1}, {"block_n": 16, "pdl": True}))}
 
 
-def test_block_fp8_gemv_gate_up_compiles_for_hopper_without_tensor_cores():
-    """One token's block-fp8 gate/up as matrix-vector products (an H200 entry may ask for it):
-    no dot and nothing staged in shared memory; its fp8 weight rows load 16 bytes at a time and
+@pytest.mark.parametrize(("weights", "device"), [("fp8-block", DEVICE + 9), ("fp8-channel-token", DEVICE + 10)])
+def test_fp8_gemv_gate_up_compiles_for_hopper_without_tensor_cores(weights, device):
+    """One token's fp8 gate/up as matrix-vector products (an H200 entry may ask for it): no
+    dot and nothing staged in shared memory; its fp8 weight rows load 16 bytes at a time and
     convert in registers, pairs at once; it lets the down start early (PDL)."""
-    [kernel] = _compile(FP8_GEMV_LAUNCHES, 90, DEVICE + 9, FP8_SPEC)["gate_up_gemv_kernel"]
+    spec = with_weights(FP8_SPEC, weights)
+    [kernel] = _compile(FP8_GEMV_LAUNCHES, 90, device, spec)["gate_up_gemv_kernel"]
     assert not re.search(r"tt\.dot|warp_group_dot|local_alloc", kernel["ttgir"])
     assert "ld.global.v4.b32" in kernel["ptx"] and "cvt.rn.f16x2.e4m3x2" in kernel["ptx"]
     assert "griddepcontrol.launch_dependents" in kernel["ptx"]

@@ -44,7 +44,7 @@ class KernelConfig:
     split_k: int = 1  # tiny mode: gate/up programs per expert and N tile along K; down, per token and N tile
     n_split: int = 0  # general down only, > 0: programs per row tile, each walking its share of the N tiles
     # (bf16/fp16: down_resident_kernel; other formats: down_kernel streamed; block fp8 resident with `resident`)
-    gemv: bool = False  # tiny gate/up where LayerShape.has_gemv: gate_up_gemv_kernel, a matrix-vector product per route
+    gemv: bool = False  # tiny gate/up only: gate_up_gemv_kernel, a matrix-vector product per route
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
     weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
@@ -182,12 +182,6 @@ class LayerShape:
         return self.weights == "fp8-block" and self.inter <= RESIDENT_MAX_I
 
     @property
-    def has_gemv(self) -> bool:
-        """Whether gate_up_gemv_kernel reads these weights: bf16/fp16, mxfp4 and block fp8 (a
-        scale per K step); per-tensor and per-channel fp8 have no gemv gate/up."""
-        return not self.fp8 or self.weights == "fp8-block"
-
-    @property
     def interleaved(self) -> bool:
         """w13 rows gate/up-interleaved (the backend's layout for bf16/fp16): one dot computes
         both. fp8 and mxfp4 stay canonical: their scale blocks span canonical rows."""
@@ -296,13 +290,13 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
-    if not shape.interleaved:  # gemv gate/ups where has_gemv. fp8: one K step per 128-wide scale
+    if not shape.interleaved:  # fp8: one K step per 128-wide scale
         # block and activation group. mxfp4: K steps of whole 32-wide scale groups, at least
         # MX_MIN_K, and weight tiles by plain loads (packed K, not what a descriptor's box holds)
         gate_up_k, down_k = (FP8_STEP, FP8_STEP) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
                                                           max(config.down.block_k, MX_MIN_K))
         config = replace(config,
-                         gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv and shape.has_gemv,
+                         gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv,
                                          descriptors=config.gate_up.descriptors and shape.fp8),
                          down=replace(config.down, block_k=down_k,
                                       descriptors=config.down.descriptors and shape.fp8))

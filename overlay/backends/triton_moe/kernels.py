@@ -618,8 +618,8 @@ def gate_up_gemv_kernel(
     inter, hidden, top_k,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MX_WORDS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
     matrix-vector product in registers, no tensor cores and no shared memory. With one route
@@ -627,10 +627,11 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows); block fp8: canonical rows, a K step per 128-wide scale block, the
-    activation quantised per step as the dot kernel's tiny mode does (_quantize_rows) and each
-    step's sums scaled as they are made. Writes gate_up_kernel's tiny-mode fp32 activation
-    (_tiny_store); PDL as there."""
+    like bf16 rows); fp8: canonical rows, a K step per 128-wide group, the activation
+    quantised as the dot kernel's path does (each step's group, or with A_TOKEN the whole row
+    at once, as quantize_tokens_kernel would), each step's sums scaled as they are made (block
+    scales too) and per-channel or per-tensor weight scales applied after the loop. Writes
+    gate_up_kernel's tiny-mode fp32 activation (_tiny_store); PDL as there."""
     _let_next_start(PDL)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
@@ -657,19 +658,34 @@ def gate_up_gemv_kernel(
             scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
             groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
         rows = tl.sum(groups, axis=1)
-    elif W_QUANT == W_BLOCK:
+    elif W_QUANT != W_NONE:  # fp8
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_expert + offs_w[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
         scale_rows = tl.where(w_ok, offs_w, 0)  # columns past I read a real row's scale
+        if A_TOKEN:  # the whole row's scale, as quantize_tokens_kernel makes it
+            amax = tl.zeros([1], dtype=tl.float32)
+            for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+                a = tl.load(x_row + k * BLOCK_K + offs_k, mask=offs_k < hidden - k * BLOCK_K, other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)[None, :]), axis=1))
+            token_scale = _scale_of(amax, FP8_MAX)
         rows = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
         for k in range(k_first, k_last):
             k_ok = offs_k < hidden - k * BLOCK_K
             w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            q, a_scale = _quantize_rows(tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)[None, :], FP8,
-                                        FP8_MAX)
-            w_scale = _step_scales(scale_base, scale_rows, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
-            rows += tl.sum(w.to(tl.float32) * q.to(tl.float32), axis=1) * (w_scale * a_scale)
+            a = tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)[None, :]
+            if A_TOKEN:
+                q, a_scale = _quantize_with(a, token_scale, FP8, FP8_MAX), token_scale
+            else:
+                q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
+            sums = tl.sum(w.to(tl.float32) * q.to(tl.float32), axis=1) * a_scale
+            if W_QUANT == W_BLOCK:
+                sums *= _step_scales(scale_base, scale_rows, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
+            rows += sums
             w_ptrs += BLOCK_K
+        if W_QUANT == W_CHANNEL:
+            rows *= tl.load(scale_base + scale_rows * stride_sn)
+        if W_QUANT == W_TENSOR:
+            rows *= tl.load(scale_base)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         first_k = k_first * BLOCK_K + offs_k

@@ -362,10 +362,8 @@ def _gate_up_gemv(
     ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: TinyOut, pdl: bool,
 ) -> None:
     """Tiny gate/up as a matrix-vector product per route (kernels.gate_up_gemv_kernel)."""
-    if not layer.shape.has_gemv:
-        raise ValueError(f"the gemv gate/up reads bf16/fp16, mxfp4 or fp8-block weights, not {layer.shape.weights}")
     if layer.shape.fp8 and cfg.block_k != QUANT_GROUP:
-        raise ValueError(f"the fp8-block gemv gate/up steps one {QUANT_GROUP}-wide scale block, not {cfg.block_k}")
+        raise ValueError(f"the fp8 gemv gate/up steps one {QUANT_GROUP}-wide group, not {cfg.block_k}")
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
     grid = (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k)
@@ -377,8 +375,9 @@ def _gate_up_gemv(
         x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, partials.stride(0), layer.beta,
         layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
-        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, MX_WORDS=layer.mx_words, PDL=pdl, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words, PDL=pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

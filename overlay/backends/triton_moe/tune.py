@@ -151,19 +151,18 @@ def gluon_candidates() -> list[KernelConfig]:
     return [KernelConfig(64, 128, 4, stages, gluon=True) for stages in (3, 4)]
 
 
-def gate_up_tiny_candidates(shape: LayerShape, smem_bytes: int) -> list[KernelConfig]:
+def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
     warps for wider tiles (more warps in flight: the one-token gate/up runs under one wave,
     register-bound; DeepSeek-V3 fp8-block 21.6 -> 20.5 us a layer on an H200). Three stages
     too, not only four and six: less shared memory a program, more programs a multiprocessor
     (fp8-block gate/ups on an H200: DeepSeek-V3's 14.3 -> 13.9 us, Kimi-K3's 18.9 -> 17.6; two
-    stages never won). Where the weights have one (LayerShape.has_gemv) also the gemv kernel, a
-    route per program: 2 * BLOCK_N x BLOCK_K products in registers, 8 to 64 per thread, one
-    stage (its loop has no dot, and Triton pipelines only loops with one: more stages compile
-    the same kernel); block fp8 steps one scale block and takes wider N tiles (one-byte
-    weights: on an H200 DeepSeek-V3's best had 32 columns, Kimi-K3's 16)."""
-    fp8 = shape.fp8
+    stages never won). Also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
+    products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
+    pipelines only loops with one: more stages compile the same kernel); fp8 steps one
+    128-wide group and takes wider N tiles (one-byte weights: on an H200 the block-fp8 best had
+    32 columns for DeepSeek-V3, 16 for Kimi-K3)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
@@ -173,7 +172,7 @@ def gate_up_tiny_candidates(shape: LayerShape, smem_bytes: int) -> list[KernelCo
         grid += _weight_left(grid)
     gemv_ns, gemv_ks = ((8, 16, 32), (FP8_STEP,)) if fp8 else ((4, 8, 16), (128, 256, 512))
     gemv = [KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in gemv_ns for k in gemv_ks
-            for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64] if shape.has_gemv else []
+            for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
@@ -227,7 +226,7 @@ class Candidates:
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
     if is_tiny(point.tokens, top_k):
-        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_up_tiny_candidates(point.shape, smem_bytes),
+        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
                                                   down_tiny_candidates(fp8, top_k, inter)))]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
