@@ -90,6 +90,8 @@ def test_mx_words_launches_compile_for_hopper_with_the_decoded_tile_in_registers
     assert {name: len(irs) for name, irs in compiled.items()} == {
         "gate_up_kernel": 4, "gate_up_gemv_kernel": 1, "down_kernel": 4, "down_resident_kernel": 0,
         "down_tiny_kernel": 2}
+    # the gemv decodes the words itself, on the mxfp4 path: nothing of the fp8 one (activations quantised to fp8)
+    assert not any("f8E4M3" in ir for ir in compiled["gate_up_gemv_kernel"])
     for name in ("gate_up_kernel", "down_kernel"):
         wgmma = [ir for ir in compiled[name] if "warp_group_dot" in ir]
         # the sorted launches (64-row weight tiles at least): wgmma, the decoded weights its

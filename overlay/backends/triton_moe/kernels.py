@@ -658,7 +658,7 @@ def gate_up_gemv_kernel(
             scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
             groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
         rows = tl.sum(groups, axis=1)
-    elif W_QUANT != W_NONE:  # fp8
+    elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:  # fp8
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_expert + offs_w[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
         scale_rows = tl.where(w_ok, offs_w, 0)  # columns past I read a real row's scale
