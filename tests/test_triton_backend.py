@@ -527,37 +527,6 @@ def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(
     assert configs.LaunchConfig.from_json(best.to_json()) == best
 
 
-def test_tuner_times_the_fastest_gemv_and_dot_one_token_pairs_as_layers(monkeypatch):
-    """The gate/up and down timed apart rank the pairs; the fastest of each gate/up kind
-    (dot, gemv) is then timed as a whole layer (with and without PDL), and the faster layer
-    wins, even where its pair ranked second: the overlap of the two launches differs by kind."""
-    from moe_overlay.backends.triton_moe import launch, timing, tune
-
-    base = configs.LaunchConfig.from_json(_entry(16))
-    dots = [replace(base, gate_up=replace(base.gate_up, split_k=s)) for s in (2, 4)]
-    gemvs = [replace(base, gate_up=replace(base.gate_up, split_k=s, gemv=True)) for s in (2, 4)]
-    pairs = [(dots[0], 1.0), (gemvs[1], 1.1), (dots[1], 1.2), (gemvs[0], 1.3)]
-    assert tune._leaders(pairs) == [dots[0], gemvs[1]]
-
-    layer_seconds = {(False, False): 3.0, (False, True): 2.8, (True, False): 2.9, (True, True): 2.5}
-    ran = []
-
-    class Layer:
-        def run_layer(self, config):
-            ran.append(config)
-
-    def fake_seconds(fn, **_):
-        fn()
-        return layer_seconds[(ran[-1].gate_up.gemv, ran[-1].down.pdl)]
-
-    monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
-    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
-    kinds = []
-    best, s = min(tune._with_pdl(Layer(), tune._leaders(pairs), kinds), key=lambda r: r[1])
-    assert best.gate_up == gemvs[1].gate_up and best.down.pdl and s == 2.5
-    assert len(ran) == 4 and [k.split(":")[0] for k in kinds] == ["layer, dot gate/up", "layer, gemv gate/up"]
-
-
 def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_layer(monkeypatch):
     """A one-token point: gate/ups ranked per K split and kind (dot, gemv), each with the
     fastest down; the fastest pair of each kind is timed as a layer, with and without PDL, and
