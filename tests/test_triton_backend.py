@@ -527,10 +527,11 @@ def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(
     assert configs.LaunchConfig.from_json(best.to_json()) == best
 
 
-def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_layer(monkeypatch):
+def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_layer(monkeypatch, capsys):
     """A one-token point: gate/ups ranked per K split and kind (dot, gemv), each with the
     fastest down; the fastest pair of each kind is timed as a layer, with and without PDL, and
-    the fastest layer is the entry, here a gemv pair that ranked second by its kernels' times."""
+    the fastest layer is the entry, here a gemv pair that ranked second by its kernels' times.
+    On the way it says how many kernels it has timed (here at every step)."""
     from moe_overlay.backends.triton_moe import launch, timing, tune
 
     point = points_from_args(_parse(["tune", "--model", "Kimi-K3", "--weights", "fp8-block", "--tokens", "1"]))[0]
@@ -565,6 +566,7 @@ def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_lay
         return kernel_seconds[cfg]
 
     monkeypatch.setattr(tune, "Problem", FakeProblem)
+    monkeypatch.setattr(tune, "PROGRESS_S", 0.0)
     monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
     monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
     config, seconds, kinds = tune.tune_point(point, [tune.Candidates(16, [dot(2), dot(4), gemv(2), gemv(4)], [down])])
@@ -576,6 +578,8 @@ def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_lay
     assert [cfg for kind, cfg in ran if kind == "layer"] == [
         replace(configs.LaunchConfig(16, dot(4), down), down=replace(down, pdl=p)) for p in (False, True)] + [
         replace(configs.LaunchConfig(16, gemv(2), down), down=replace(down, pdl=p)) for p in (False, True)]
+    said = [line.split(": ")[1].split(" [")[0] for line in capsys.readouterr().out.splitlines()]
+    assert said == [f"timed {n}/5 kernels" for n in (1, 2, 3, 4, 5)]
 
 
 def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):

@@ -47,6 +47,7 @@ STREAM_SPLITS = (2, 4, 8)  # streamed down: programs per row tile
 COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
 COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
 DESCRIPTOR_TRIES = 3  # sorted-mode leaders timed again with tensor-descriptor weight tiles
+PROGRESS_S = 30.0  # a point's timing pass says how far it is at most this often
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,9 +387,19 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
     problem = Problem(point, ROUTINGS, random=True)
     pairs: list[tuple[LaunchConfig, float]] = []
     kinds: list[str] = []
+    total, done, started, said = sum(len(c.gate_up) + len(c.down) for c in cands), 0, time.time(), time.time()
 
     def us(seconds: float) -> str:
         return f"{seconds / ROUTINGS * 1e6:.1f}"
+
+    def timed(kernels: int) -> None:
+        """Counts kernels timed; says so every PROGRESS_S (a point can take minutes)."""
+        nonlocal done, said
+        done += kernels
+        if time.time() - said >= PROGRESS_S:
+            said = time.time()
+            print(f"    {point.name} M={point.tokens}: timed {done}/{total} kernels [{said - started:.0f}s]",
+                  flush=True)
 
     for c in cands:
         gate_up, down = problem.runners(c.block_m)
@@ -398,9 +409,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
                  if (r := _fastest(down, ds, not problem.tiny and point.shape.weights != "mxfp4"))}
+        timed(len(c.down))
         for split, gemv in sorted({(g.split_k, g.gemv) for g in c.gate_up}):
-            gu = _fastest(gate_up, [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)],
-                          not problem.tiny and point.shape.interleaved)
+            group = [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)]
+            gu = _fastest(gate_up, group, not problem.tiny and point.shape.interleaved)
+            timed(len(group))
             if gu is None or not downs:
                 continue
             down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
