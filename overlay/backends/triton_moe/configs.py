@@ -296,7 +296,7 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
         gate_up_k, down_k = (FP8_STEP, FP8_STEP) if shape.fp8 else (max(config.gate_up.block_k, MX_MIN_K),
                                                           max(config.down.block_k, MX_MIN_K))
         config = replace(config,
-                         gate_up=replace(config.gate_up, block_k=gate_up_k, gemv=config.gate_up.gemv,
+                         gate_up=replace(config.gate_up, block_k=gate_up_k,
                                          descriptors=config.gate_up.descriptors and shape.fp8),
                          down=replace(config.down, block_k=down_k,
                                       descriptors=config.down.descriptors and shape.fp8))

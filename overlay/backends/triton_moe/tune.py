@@ -392,7 +392,7 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
     def us(seconds: float) -> str:
         return f"{seconds / ROUTINGS * 1e6:.1f}"
 
-    def timed(kernels: int) -> None:
+    def count_timed(kernels: int) -> None:
         """Counts kernels timed; says so every PROGRESS_S (a point can take minutes)."""
         nonlocal done, said
         done += kernels
@@ -409,11 +409,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
                  if (r := _fastest(down, ds, not problem.tiny and point.shape.weights != "mxfp4"))}
-        timed(len(c.down))
+        count_timed(len(c.down))
         for split, gemv in sorted({(g.split_k, g.gemv) for g in c.gate_up}):
             group = [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)]
             gu = _fastest(gate_up, group, not problem.tiny and point.shape.interleaved)
-            timed(len(group))
+            count_timed(len(group))
             if gu is None or not downs:
                 continue
             down_cfg, down_s = min(downs.values(), key=lambda r: r[1])
