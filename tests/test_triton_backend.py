@@ -4,6 +4,8 @@ planning, the benchmark's floor and its torch._grouped_mm peer (the kernels: tes
 import argparse
 import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -361,9 +363,9 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
     assert gemv and all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in gemv)
     assert {g.split_k for g in gemv} <= {g.split_k for g in gate_ups("Maverick", "bf16", 1) if not g.gemv}
     for model, weights in (("DeepSeek-V3", "fp8-block"), ("Maverick", "fp8-channel-token")):
-        fp8 = [g for g in gate_ups(model, weights, 1) if g.gemv]  # a 128-wide group a K step
-        assert fp8 and {g.block_k for g in fp8} == {configs.FP8_STEP}
-        assert all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 64 for g in fp8)
+        fp8 = [g for g in gate_ups(model, weights, 1) if g.gemv]  # one or two 128-wide groups a K step
+        assert fp8 and {g.block_k for g in fp8} == set(configs.FP8_GEMV_STEPS)
+        assert all(8 <= 2 * g.block_n * g.block_k // (32 * g.num_warps) <= 128 for g in fp8)
     mxfp4 = [g for g in gate_ups("Kimi-K3", "mxfp4", 1) if g.gemv]
     assert mxfp4 and all(g.block_k >= configs.MX_MIN_K for g in mxfp4)
     assert not any(g.gemv for g in gate_ups("Maverick", "bf16", 1024))
@@ -378,7 +380,12 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
         assert fp8.gate_up.gemv and fp8.gate_up.block_k == configs.FP8_STEP
     assert configs.LaunchConfig.from_json(bf16.to_json()) == bf16
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.gemv  # entries from before it
-    with pytest.raises(ValueError, match="steps one 128-wide group, not 64"):
+    for block_k, step in [(256, 256), (512, 128)]:  # the fp8 gemv: two groups a step, not four
+        entry = {**tiny, "gate_up": {**tiny["gate_up"], "block_k": block_k}}
+        monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / f"k{block_k}.json",
+                                                               {"cpu": {shapes[1].key: {"1": entry}}})))
+        assert launch.launch_config(shapes[1], torch.device("cpu"), 1).gate_up.block_k == step
+    with pytest.raises(ValueError, match="steps whole 128-wide groups, not 64"):
         launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[2]), bf16.gate_up, torch.empty(1), False)
 
 
@@ -525,6 +532,51 @@ def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(
     monkeypatch.setattr(launch, "uses_pdl", lambda config: False)  # no PDL on this GPU: timed once, plain
     assert tune._with_pdl(Layer(), [config], []) == [(config, 4.0)] and len(ran) == 1
     assert configs.LaunchConfig.from_json(best.to_json()) == best
+
+
+_HASHES_IN_ORDER = """
+import json, random, sys
+from triton.runtime.jit import JITFunction
+from moe_overlay.backends.triton_moe import gluon_kernels, kernels
+fns = {f"{m.__name__}.{n}": v for m in (kernels, gluon_kernels) for n, v in vars(m).items()
+       if isinstance(v, JITFunction)}
+names = sorted(fns)
+random.Random(int(sys.argv[1])).shuffle(names)
+print(json.dumps({n: fns[n].cache_key for n in names}, sort_keys=True))
+"""
+
+
+def test_kernel_hashes_do_not_hang_on_the_order_a_process_computes_them():
+    """The tuner's timing process finds in Triton's disk cache what its compile workers built
+    only if every kernel hashes the same in every process, whatever it launched first
+    (kernels.settle_cache_keys: Triton 3.6 did not, and the timing pass compiled everything
+    again)."""
+    hashes = [json.loads(subprocess.run([sys.executable, "-c", _HASHES_IN_ORDER, str(seed)], check=True,
+                                        capture_output=True, text=True).stdout) for seed in (1, 2, 3)]
+    assert len(hashes[0]) > 40 and any(name.endswith("gate_up_gemv_kernel") for name in hashes[0])
+    assert hashes[0] == hashes[1] == hashes[2]
+
+
+def test_no_kernel_specialises_on_what_the_tuners_compile_problems_shrink():
+    """The tuner's compile workers build each point with COMPILE_EXPERTS experts per top-k, not
+    all of them, and the routes' blocks of their own routing: kernels that took E or the block
+    count as a specialised integer (Triton's divisible-by-16 and equal-to-1 cases) compiled
+    differently there (Maverick's top-1: 4 experts against 128), and the timing pass compiled
+    them again."""
+    from triton.runtime.jit import JITFunction
+
+    from moe_overlay.backends.triton_moe import gluon_kernels, kernels
+
+    shrunk = {"num_experts", "num_blocks_m", "num_routes"}
+    seen = set()
+    for module in (kernels, gluon_kernels):
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction) and fn.fn.__name__.endswith("_kernel"):
+                for p in fn.params:
+                    if p.name in shrunk:
+                        seen.add(p.name)
+                        assert p.do_not_specialize, f"{fn.fn.__name__}: {p.name}"
+    assert seen == shrunk
 
 
 def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_layer(monkeypatch, capsys):
@@ -729,7 +781,7 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
             rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
             for cfg, kind, tiles in [(g, "gate_up", 2) for g in c.gate_up] + [(d, "down", 1) for d in c.down]:
                 assert tiles * rows[kind] * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
-                assert cfg.block_k == 128 or not point.shape.fp8
+                assert cfg.block_k == 128 or not point.shape.fp8 or (cfg.gemv and cfg.block_k == 256)
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
 
 

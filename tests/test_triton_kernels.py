@@ -256,26 +256,30 @@ def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, mon
     with_weights(mo.MoESpec(8, 320, 200, 1), "fp8-channel-token"),
 ], ids=["block-partial-step-situ", "block-k1-oninput-ep", "channel", "tensor", "channel-token"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("gemv", [(16, 2, 4), (32, 4, 1)], ids=["16-columns-split-4", "32-columns"])
+@pytest.mark.parametrize("gemv", [(16, 2, 4, 128), (32, 4, 1, 128), (16, 2, 8, 256)],
+                         ids=["16-columns-split-4", "32-columns", "two-groups-a-step"])
 def test_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv, tmp_path, monkeypatch):
-    """Tiny fp8 through the gemv gate/up (a 128-wide group a K step, the last one partial in
-    H=320; N tiles past I=200; the activation quantised per group, or per token over its whole
-    row, as the dot kernel's path does; block scales each step, channel and tensor scales
-    after) and through the dot kernel, same entry otherwise: outputs within fp32 rounding of
-    each other, and the reference's within fp8's error."""
+    """Tiny fp8 through the gemv gate/up (one or two 128-wide groups a K step, the last group
+    partial in H=320, with two a step the last step's second group empty; N tiles past I=200;
+    the activation quantised per group, or per token over its whole row, as the dot kernel's
+    path does; block scales each group, channel and tensor scales after) and through the dot
+    kernel, same entry otherwise: outputs within fp32 rounding of each other, and the
+    reference's within fp8's error."""
     from moe_overlay.backends.triton_moe import launch
 
-    block_n, warps, split = gemv
+    block_n, warps, split, block_k = gemv
     down = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "group_m": 1}
     outs = []
     for use in (False, True):
-        gate_up = {"block_n": block_n if use else 64, "block_k": 128, "num_warps": warps, "num_stages": 1 if use else 3,
+        gate_up = {"block_n": block_n if use else 64, "block_k": block_k if use else 128, "num_warps": warps,
+                   "num_stages": 1 if use else 3,
                    "group_m": 1, "split_k": split, "gemv": use}
         table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): {
             "block_m": 16, "gate_up": gate_up, "down": down}}}}
         (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
-        assert launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m).gate_up.gemv == use
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        assert config.gate_up.gemv == use and config.gate_up.block_k == gate_up["block_k"]
         outs.append(_check(spec, m, tol=2e-2)[1])
     assert relative_error(outs[1], outs[0]) < 1e-3
 

@@ -135,20 +135,24 @@ def test_one_token_pdl_entries_chain_their_launches_from_hopper_on(arch, device)
 
 
 FP8_SPEC = with_weights(mo.MoESpec(8, 512, 256, 2), "fp8-block")
-FP8_GEMV_LAUNCHES = {"one token, gemv gate/up": (1, _config(
-    16, {"block_n": 32, "block_k": 128, "split_k": 4, "gemv": True, "num_stages": 1}, {"block_n": 16, "pdl": True}))}
+FP8_GEMV_LAUNCHES = {f"one token, gemv gate/up, {block_k}-wide steps": (1, _config(
+    16, {"block_n": block_n, "block_k": block_k, "split_k": 4, "gemv": True, "num_stages": 1},
+    {"block_n": 16, "pdl": True})) for block_n, block_k in ((32, 128), (16, 256))}
 
 
 @pytest.mark.parametrize(("weights", "device"), [("fp8-block", DEVICE + 9), ("fp8-channel-token", DEVICE + 10)])
 def test_fp8_gemv_gate_up_compiles_for_hopper_without_tensor_cores(weights, device):
     """One token's fp8 gate/up as matrix-vector products (an H200 entry may ask for it): no
     dot and nothing staged in shared memory; its fp8 weight rows load 16 bytes at a time and
-    convert in registers, pairs at once; it lets the down start early (PDL)."""
+    convert in registers, pairs at once; it lets the down start early (PDL). With K steps of
+    one 128-wide group or two."""
     spec = with_weights(FP8_SPEC, weights)
-    [kernel] = _compile(FP8_GEMV_LAUNCHES, 90, device, spec)["gate_up_gemv_kernel"]
-    assert not re.search(r"tt\.dot|warp_group_dot|local_alloc", kernel["ttgir"])
-    assert "ld.global.v4.b32" in kernel["ptx"] and "cvt.rn.f16x2.e4m3x2" in kernel["ptx"]
-    assert "griddepcontrol.launch_dependents" in kernel["ptx"]
+    kernels = _compile(FP8_GEMV_LAUNCHES, 90, device, spec)["gate_up_gemv_kernel"]
+    assert len(kernels) == 2
+    for kernel in kernels:
+        assert not re.search(r"tt\.dot|warp_group_dot|local_alloc", kernel["ttgir"])
+        assert "ld.global.v4.b32" in kernel["ptx"] and "cvt.rn.f16x2.e4m3x2" in kernel["ptx"]
+        assert "griddepcontrol.launch_dependents" in kernel["ptx"]
 # fp8 row tiles under wgmma's 64 rows: sorted blocks of 16, 32 and 48 (three row tiles), one token's 16-row dot
 WEIGHT_LEFT_LAUNCHES = {
     f"{name}, weight left {left}": (m, _config(block_m, {"block_k": 128, "split_k": split, "weight_left": left},

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .configs import GLUON_BLOCK_M
-from .kernels import SCALE_BLOCK, _activate
+from .kernels import SCALE_BLOCK, _activate, settle_cache_keys
 
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -165,3 +165,6 @@ def gate_up_block_fp8_kernel(
     c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     ptrs = out_ptr + (pid_m * BLOCK_M + r_out)[:, None] * stride_om + c_out[None, :]
     gl.store(ptrs, out, mask=(r_out < count)[:, None])
+
+
+settle_cache_keys(globals())

@@ -545,7 +545,7 @@ def _k_split(hidden, BLOCK_K: tl.constexpr):
     return k_first, tl.minimum(k_first + per_split, k_steps)
 
 
-@triton.jit(do_not_specialize=["num_routes", "num_blocks_m"])
+@triton.jit(do_not_specialize=["num_routes", "num_blocks_m", "num_experts"])
 def gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, act_ptr, counts_ptr, topk_weights_ptr,
     ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
@@ -627,10 +627,10 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows); fp8: canonical rows, a K step per 128-wide group, the activation
-    quantised as the dot kernel's path does (each step's group, or with A_TOKEN the whole row
-    at once, as quantize_tokens_kernel would), each step's sums scaled as they are made (block
-    scales too) and per-channel or per-tensor weight scales applied after the loop. Writes
+    like bf16 rows); fp8: canonical rows, a K step one 128-wide group or more, the activation
+    quantised as the dot kernel's path does (each group, or with A_TOKEN the whole row at once,
+    as quantize_tokens_kernel would), each group's sums scaled as they are made (block scales
+    too) and per-channel or per-tensor weight scales applied after the loop. Writes
     gate_up_kernel's tiny-mode fp32 activation (_tiny_store); PDL as there."""
     _let_next_start(PDL)
     n_tiles = tl.cdiv(inter, BLOCK_N)
@@ -658,10 +658,12 @@ def gate_up_gemv_kernel(
             scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
             groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
         rows = tl.sum(groups, axis=1)
-    elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:  # fp8
+    elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:  # fp8: a K step of GROUPS 128-wide groups
+        GROUPS: tl.constexpr = BLOCK_K // SCALE_BLOCK
         offs_k = tl.arange(0, BLOCK_K)
+        offs_g = tl.arange(0, GROUPS)
         w_ptrs = w_expert + offs_w[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
-        scale_rows = tl.where(w_ok, offs_w, 0)  # columns past I read a real row's scale
+        scale_rows = tl.where(w_ok, offs_w, 0) // SCALE_BLOCK * stride_sn  # columns past I: a real row's
         if A_TOKEN:  # the whole row's scale, as quantize_tokens_kernel makes it
             amax = tl.zeros([1], dtype=tl.float32)
             for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -672,18 +674,21 @@ def gate_up_gemv_kernel(
         for k in range(k_first, k_last):
             k_ok = offs_k < hidden - k * BLOCK_K
             w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)[None, :]
+            a = tl.reshape(tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0), [GROUPS, SCALE_BLOCK])
             if A_TOKEN:
                 q, a_scale = _quantize_with(a, token_scale, FP8, FP8_MAX), token_scale
             else:
                 q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
-            sums = tl.sum(w.to(tl.float32) * q.to(tl.float32), axis=1) * a_scale
+            w = tl.reshape(w.to(tl.float32), [2 * BLOCK_N, GROUPS, SCALE_BLOCK])
+            sums = tl.sum(w * q.to(tl.float32)[None, :, :], axis=2) * a_scale[None, :]  # [2 BLOCK_N, GROUPS]
             if W_QUANT == W_BLOCK:
-                sums *= _step_scales(scale_base, scale_rows, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
-            rows += sums
+                groups = k * GROUPS + offs_g
+                sums *= tl.load(scale_base + scale_rows[:, None] + groups[None, :],
+                                mask=(groups < tl.cdiv(hidden, SCALE_BLOCK))[None, :], other=0.0)
+            rows += tl.sum(sums, axis=1)
             w_ptrs += BLOCK_K
         if W_QUANT == W_CHANNEL:
-            rows *= tl.load(scale_base + scale_rows * stride_sn)
+            rows *= tl.load(scale_base + tl.where(w_ok, offs_w, 0) * stride_sn)
         if W_QUANT == W_TENSOR:
             rows *= tl.load(scale_base)
     else:
@@ -807,7 +812,7 @@ def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, sc
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["num_blocks_m"])
+@triton.jit(do_not_specialize=["num_blocks_m", "num_experts"])
 def down_kernel(
     a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
@@ -878,7 +883,7 @@ def down_kernel(
             acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_experts"])
 def down_resident_kernel(
     a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, topk_weights_ptr,
     sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
@@ -1129,3 +1134,21 @@ def sum_routes_kernel(
                      mask=(local >= 0)[:, None] & h_ok[None, :], other=0.0)
     total = tl.sum(values.to(tl.float32), axis=0)
     tl.store(out_ptr + token * hidden + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def settle_cache_keys(namespace: dict[str, object]) -> dict[str, str]:
+    """Computes the hash of every JIT function in `namespace` (a kernel module's globals), in
+    the order they are defined. Triton 3.6 adds a called function's constexpr globals to a
+    kernel's hash only when the callee's own hash was computed before, so a kernel's disk-cache
+    key hung on which kernels a process had launched first: the tuner's timing process, which
+    reuses what its compile workers built, compiled every kernel again (on an H200 a one-token
+    point's timing pass spent 166 of its 174 s there). One order in every process gives one
+    hash. (Triton 3.9 hashes the same in any order.) Returns the hashes by name; none in
+    Triton's interpreter, which compiles nothing (and whose functions have no hash)."""
+    if triton.knobs.runtime.interpret:
+        return {}
+    return {name: value.cache_key for name, value in list(namespace.items())
+            if isinstance(value, triton.runtime.jit.JITFunction)}
+
+
+settle_cache_keys(globals())

@@ -21,6 +21,7 @@ from typing import Any
 from ...spec import MoESpec
 from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 from .configs import (
+    FP8_GEMV_STEPS,
     FP8_STEP,
     GLUON_BLOCK_M,
     MX_MIN_K,
@@ -45,7 +46,7 @@ REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spi
 MAX_SPLIT_K = 16
 STREAM_SPLITS = (2, 4, 8)  # streamed down: programs per row tile
 COMPILE_CHUNK = 16  # kernels per compile task: small tasks keep every process busy to the end
-COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (no kernel specialises on E)
+COMPILE_EXPERTS = 4  # compile problems hold this many experts per top-k (kernels take E unspecialised)
 DESCRIPTOR_TRIES = 3  # sorted-mode leaders timed again with tensor-descriptor weight tiles
 PROGRESS_S = 30.0  # a point's timing pass says how far it is at most this often
 
@@ -162,8 +163,9 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     stages never won). Also the gemv kernel, a route per program: 2 * BLOCK_N x BLOCK_K
     products in registers, 8 to 64 per thread, one stage (its loop has no dot, and Triton
     pipelines only loops with one: more stages compile the same kernel); fp8 steps one
-    128-wide group and takes wider N tiles (one-byte weights: on an H200 the block-fp8 best had
-    32 columns for DeepSeek-V3, 16 for Kimi-K3)."""
+    128-wide group or two and takes wider N tiles, up to 128 one-byte weights a thread (on an
+    H200 the block-fp8 one-token gate/up, alone: DeepSeek-V3's best 12.7 us with two groups a
+    step, 16 columns, 2 warps, K split 8, against 13.8 with one; Kimi-K3's 16.4 against 16.7)."""
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
@@ -171,9 +173,10 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     grid += [KernelConfig(n, k, 8, 3, split_k=s) for n in block_ns if n >= 32 for k in block_ks for s in (2, 4, 8)]
     if fp8:
         grid += _weight_left(grid)
-    gemv_ns, gemv_ks = ((8, 16, 32), (FP8_STEP,)) if fp8 else ((4, 8, 16), (128, 256, 512))
+    gemv_ns, gemv_ks = ((8, 16, 32), FP8_GEMV_STEPS) if fp8 else ((4, 8, 16), (128, 256, 512))
+    most = 128 if fp8 else 64
     gemv = [KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in gemv_ns for k in gemv_ks
-            for w in (2, 4, 8) for s in (1, 2, 4, 8) if 8 <= 2 * n * k // (32 * w) <= 64]
+            for w in (2, 4, 8) for s in (1, 2, 4, 8, MAX_SPLIT_K) if 8 <= 2 * n * k // (32 * w) <= most]
     return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
 
 
