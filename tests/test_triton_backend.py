@@ -385,7 +385,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
         monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / f"k{block_k}.json",
                                                                {"cpu": {shapes[1].key: {"1": entry}}})))
         assert launch.launch_config(shapes[1], torch.device("cpu"), 1).gate_up.block_k == step
-    with pytest.raises(ValueError, match="steps whole 128-wide groups, not 64"):
+    with pytest.raises(ValueError, match="steps one or two 128-wide groups, not 64"):
         launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[2]), bf16.gate_up, torch.empty(1), False)
 
 

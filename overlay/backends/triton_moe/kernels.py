@@ -627,7 +627,7 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows); fp8: canonical rows, a K step one 128-wide group or more, the activation
+    like bf16 rows); fp8: canonical rows, a K step one 128-wide group or two, the activation
     quantised as the dot kernel's path does (each group, or with A_TOKEN the whole row at once,
     as quantize_tokens_kernel would), each group's sums scaled as they are made (block scales
     too) and per-channel or per-tensor weight scales applied after the loop. Writes

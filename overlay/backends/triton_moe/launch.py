@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import kernels
 from .configs import (
+    FP8_GEMV_STEPS,
     GLUON_BLOCK_M,
     KernelConfig,
     LaunchConfig,
@@ -362,8 +363,8 @@ def _gate_up_gemv(
     ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, cfg: KernelConfig, out: TinyOut, pdl: bool,
 ) -> None:
     """Tiny gate/up as a matrix-vector product per route (kernels.gate_up_gemv_kernel)."""
-    if layer.shape.fp8 and cfg.block_k % QUANT_GROUP:
-        raise ValueError(f"the fp8 gemv gate/up steps whole {QUANT_GROUP}-wide groups, not {cfg.block_k}")
+    if layer.shape.fp8 and cfg.block_k not in FP8_GEMV_STEPS:
+        raise ValueError(f"the fp8 gemv gate/up steps one or two {QUANT_GROUP}-wide groups, not {cfg.block_k}")
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
     grid = (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k)
