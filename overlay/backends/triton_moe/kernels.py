@@ -1136,19 +1136,20 @@ def sum_routes_kernel(
     tl.store(out_ptr + token * hidden + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def settle_cache_keys(namespace: dict[str, object]) -> dict[str, str]:
+def settle_cache_keys(namespace: dict[str, object]) -> None:
     """Computes the hash of every JIT function in `namespace` (a kernel module's globals), in
     the order they are defined. Triton 3.6 adds a called function's constexpr globals to a
     kernel's hash only when the callee's own hash was computed before, so a kernel's disk-cache
     key hung on which kernels a process had launched first: the tuner's timing process, which
     reuses what its compile workers built, compiled every kernel again (on an H200 a one-token
     point's timing pass spent 166 of its 174 s there). One order in every process gives one
-    hash. (Triton 3.9 hashes the same in any order.) Returns the hashes by name; none in
-    Triton's interpreter, which compiles nothing (and whose functions have no hash)."""
+    hash. (Triton 3.9 hashes the same in any order.) Nothing in Triton's interpreter, which
+    compiles nothing (and whose functions have no hash)."""
     if triton.knobs.runtime.interpret:
-        return {}
-    return {name: value.cache_key for name, value in list(namespace.items())
-            if isinstance(value, triton.runtime.jit.JITFunction)}
+        return
+    for value in list(namespace.values()):
+        if isinstance(value, triton.runtime.jit.JITFunction):
+            _ = value.cache_key  # computed once, then kept by the function
 
 
 settle_cache_keys(globals())
