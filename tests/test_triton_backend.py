@@ -892,6 +892,23 @@ def test_bench_floor_takes_the_faster_read_and_the_formats_matrix_rate():
     assert "highest 99.0% (Kimi-K3 M=128)" in table and "lowest 50.0% (Kimi-K3 M=1)" in table
     assert "| bf16 triton (us) |" in table and "faster at 2 of 2 points" in table
     assert "read bandwidth 4.45 TB/s" in table and "4.29 TB/s read + written" in table
+    assert "Floor beaten" not in table
+
+
+def test_bench_says_the_floor_is_wrong_where_a_layer_beats_it():
+    from moe_overlay.backends.triton_moe.bench import Bandwidth, Rates, Row, floors_beaten, markdown
+
+    rates = Rates(Bandwidth(read=4.36e12, copy=4.29e12), bf16=680e12, fp8=None, peaks=None)
+    rows = [Row("Kimi-K3", 128, "memory", 1519.5e-6, None, 1508.9e-6, 2345.8e-6, 0.4, 3e-3, 4e-3),
+            Row("Maverick", 128, "memory", 555.0e-6, 520.0e-6, 569.4e-6, 540.0e-6, 0.1, 3e-3, 4e-3),
+            Row("Mixtral", 1, "memory", 19.8e-6, 18.4e-6, 29.2e-6, 99.0e-6, 0.1, 3e-3, 4e-3)]
+    assert floors_beaten(rows, "_grouped_mm") == [
+        "Kimi-K3 M=128: triton 1508.9 us under the floor of 1519.5 us",
+        "Maverick M=128: _grouped_mm 540.0 us under the floor of 555.0 us"]
+    assert "**Floor beaten at 2 point(s)" in markdown(rows, "bf16", "NVIDIA H200", rates)
+    # a measured floor under the published peaks' one (rates above the datasheet's) is beaten there too
+    fast = [Row("Mixtral", 1, "memory", 18.0e-6, 19.0e-6, 18.5e-6, 99.0e-6, 0.1, 3e-3, 4e-3)]
+    assert floors_beaten(fast, "bf16 triton") == ["Mixtral M=1: triton 18.5 us under the floor of 19.0 us"]
 
 
 def test_tune_imports_no_serving_module():

@@ -288,11 +288,27 @@ def _geomean(values: list[float]) -> float:
     return math.exp(statistics.mean(math.log(v) for v in values))
 
 
+def floors_beaten(rows: list[Row], peer: str) -> list[str]:
+    """Each layer (Triton's or the peer's) that ran faster than its point's floor, measured or
+    at the published peaks: a floor that a kernel beats is not a floor, so the table's
+    percentages are not valid until the floor's rates are found wrong and fixed."""
+    beaten = []
+    for r in rows:
+        limit = max(r.floor_s, r.peak_floor_s or 0.0)
+        beaten += [f"{r.model} M={r.tokens}: {who} {seconds * 1e6:.1f} us under the floor of {limit * 1e6:.1f} us"
+                   for who, seconds in (("triton", r.triton_s), (peer, r.peer_s)) if seconds < limit]
+    return beaten
+
+
+def _peer_name(weights: str) -> str:
+    return "_grouped_mm" if weights in ("bf16", "fp16") else "bf16 triton"
+
+
 def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
     worst = min(rows, key=lambda r: r.triton_pct)
     highest = max(rows, key=lambda r: r.triton_pct)
     slowest = min(rows, key=lambda r: r.speedup)
-    peer = "_grouped_mm" if weights in ("bf16", "fp16") else "bf16 triton"
+    peer = _peer_name(weights)
     bw = rates.bandwidth
     fp8_rate = f", fp8 matrix rate {rates.fp8 / 1e12:.0f} TFLOP/s (torch._scaled_mm)" if rates.fp8 else ""
     lines = [
@@ -333,6 +349,10 @@ def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
         f"{_geomean([r.speedup for r in rows]):.2f}x faster, lowest {slowest.speedup:.2f}x ({slowest.model} "
         f"M={slowest.tokens}), faster at {sum(r.speedup > 1 for r in rows)} of {len(rows)} points.",
     ]
+    beaten = floors_beaten(rows, peer)
+    if beaten:
+        lines += ["", f"**Floor beaten at {len(beaten)} point(s), so it is wrong and the percentages above are not "
+                  f"valid:** {'; '.join(beaten)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -362,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.markdown:
         args.markdown.write_text(table)
+    if floors_beaten(rows, _peer_name(args.weights)):
+        print("a layer ran faster than its floor: the measured rates under-state this GPU (see the table's last line)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
