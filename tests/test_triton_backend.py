@@ -905,7 +905,7 @@ def test_bench_says_the_floor_is_wrong_where_a_layer_beats_it():
     assert floors_beaten(rows, "_grouped_mm") == [
         "Kimi-K3 M=128: triton 1508.9 us under the floor of 1519.5 us",
         "Maverick M=128: _grouped_mm 540.0 us under the floor of 555.0 us"]
-    assert "**Floor beaten at 2 point(s)" in markdown(rows, "bf16", "NVIDIA H200", rates)
+    assert "**Floor beaten by 2 layer(s)" in markdown(rows, "bf16", "NVIDIA H200", rates)
     # a measured floor under the published peaks' one (rates above the datasheet's) is beaten there too
     fast = [Row("Mixtral", 1, "memory", 18.0e-6, 19.0e-6, 18.5e-6, 99.0e-6, 0.1, 3e-3, 4e-3)]
     assert floors_beaten(fast, "bf16 triton") == ["Mixtral M=1: triton 18.5 us under the floor of 19.0 us"]

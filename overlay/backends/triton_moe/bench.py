@@ -351,7 +351,7 @@ def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
     ]
     beaten = floors_beaten(rows, peer)
     if beaten:
-        lines += ["", f"**Floor beaten at {len(beaten)} point(s), so it is wrong and the percentages above are not "
+        lines += ["", f"**Floor beaten by {len(beaten)} layer(s), so it is wrong and the percentages above are not "
                   f"valid:** {'; '.join(beaten)}."]
     return "\n".join(lines) + "\n"
 
