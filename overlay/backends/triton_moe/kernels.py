@@ -663,7 +663,8 @@ def gate_up_gemv_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         offs_g = tl.arange(0, GROUPS)
         w_ptrs = w_expert + offs_w[:, None] * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
-        scale_rows = tl.where(w_ok, offs_w, 0) // SCALE_BLOCK * stride_sn  # columns past I: a real row's
+        real_rows = tl.where(w_ok, offs_w, 0)  # columns past I read a real row's scales
+        scale_rows = real_rows // SCALE_BLOCK * stride_sn
         if A_TOKEN:  # the whole row's scale, as quantize_tokens_kernel makes it
             amax = tl.zeros([1], dtype=tl.float32)
             for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -688,7 +689,7 @@ def gate_up_gemv_kernel(
             rows += tl.sum(sums, axis=1)
             w_ptrs += BLOCK_K
         if W_QUANT == W_CHANNEL:
-            rows *= tl.load(scale_base + tl.where(w_ok, offs_w, 0) * stride_sn)
+            rows *= tl.load(scale_base + real_rows * stride_sn)
         if W_QUANT == W_TENSOR:
             rows *= tl.load(scale_base)
     else:
