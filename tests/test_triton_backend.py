@@ -779,9 +779,15 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
         for c in candidates(point, 227 * 1024):
             assert c.gate_up and c.down
             rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
+            tiny = configs.is_tiny(point.tokens, point.spec.top_k)
             for cfg, kind, tiles in [(g, "gate_up", 2) for g in c.gate_up] + [(d, "down", 1) for d in c.down]:
                 assert tiles * rows[kind] * cfg.block_n // (32 * cfg.num_warps) <= REG_BUDGET or c.block_m == 16
-                assert cfg.block_k == 128 or not point.shape.fp8 or (cfg.gemv and cfg.block_k in configs.FP8_GEMV_STEPS)
+                assert (cfg.block_k == 128 or not point.shape.fp8
+                        or (cfg.gemv and cfg.block_k in configs.FP8_GEMV_STEPS)
+                        or (tiny and kind == "down" and cfg.block_k in configs.FP8_TINY_DOWN_STEPS))
+            if tiny and point.shape.fp8:  # whole groups, up to all of I: DeepSeek-V3's 256, Kimi-K3's 384 (512)
+                widest = 1 << (point.spec.intermediate_size - 1).bit_length()
+                assert {d.block_k for d in c.down} == {k for k in configs.FP8_TINY_DOWN_STEPS if k <= widest}
     assert block_m_candidates(configs.LayerShape.of(SPEC), 1) == [configs.TINY_ROUTES]
 
 

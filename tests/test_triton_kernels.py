@@ -141,6 +141,11 @@ UNUSUAL = {
     # the down's routes shared by 2 programs a token (k=1 layers: one program, the split has nothing to share)
     "tiny-down-split": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
                          "down": {**KERNEL, "block_k": 64, "split_k": 2}}, 5),
+    # the down's K steps as wide as a small I (fp8: two or four 128-wide groups, each quantised and scaled on its own)
+    "tiny-down-wide": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
+                        "down": {**KERNEL, "block_k": 256}}, 5),
+    "tiny-down-wider": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
+                         "down": {**KERNEL, "block_k": 512, "split_k": 2}}, 1),
     # the down started by programmatic dependent launch while its gate/up runs (NVIDIA sm_90+; elsewhere plain)
     "tiny-pdl": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
                   "down": {**KERNEL, "block_k": 64, "split_k": 2, "pdl": True}}, 5),

@@ -31,6 +31,7 @@ GLUON_BLOCK_M = 64  # gluon_kernels' gate/up: one warpgroup's wgmma rows a block
 RESIDENT_MAX_I = 512  # down_resident_kernel: beyond, a program per output tile has enough K steps to pipeline
 FP8_STEP = 128  # fp8 K steps: one 128-wide weight scale block and activation group each
 FP8_GEMV_STEPS = (FP8_STEP, 2 * FP8_STEP)  # the fp8 gemv gate/up's K steps: one group or two
+FP8_TINY_DOWN_STEPS = (FP8_STEP, 2 * FP8_STEP, 4 * FP8_STEP)  # tiny mode's fp8 down: K steps of 1, 2 or 4 groups
 
 Table = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
@@ -292,11 +293,14 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     if is_tiny(num_tokens, shape.top_k):
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
     if not shape.interleaved:  # fp8: one K step per 128-wide scale
-        # block and activation group (the gemv gate/up: one or two). mxfp4: K steps of whole
+        # block and activation group (the gemv gate/up: one or two; tiny mode's down: one, two or
+        # four, so that a one-token down can load all of a small I before it waits). mxfp4: K steps of whole
         # 32-wide scale groups, at least MX_MIN_K, and weight tiles by plain loads (packed K, not
         # what a descriptor's box holds)
         gemv_k = config.gate_up.block_k if config.gate_up.gemv and config.gate_up.block_k in FP8_GEMV_STEPS else 0
-        gate_up_k, down_k = (gemv_k or FP8_STEP, FP8_STEP) if shape.fp8 else (
+        tiny_down_k = config.down.block_k if is_tiny(num_tokens, shape.top_k) and (
+            config.down.block_k in FP8_TINY_DOWN_STEPS) else 0
+        gate_up_k, down_k = (gemv_k or FP8_STEP, tiny_down_k or FP8_STEP) if shape.fp8 else (
             max(config.gate_up.block_k, MX_MIN_K), max(config.down.block_k, MX_MIN_K))
         config = replace(config,
                          gate_up=replace(config.gate_up, block_k=gate_up_k,

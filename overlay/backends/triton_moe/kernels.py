@@ -1018,8 +1018,9 @@ def down_tiny_kernel(
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together) with
     the fp32 activations tiny gate/up wrote (`act [routes, I]`), and the top-k sum: no route
-    buffer, no extra launch. w8a8 quantises the activation per BLOCK_K group, or with
-    A_TOKEN per route over all of I (a first pass over the partials finds each route's max).
+    buffer, no extra launch. w8a8 quantises the activation per 128-wide group (a K step of
+    BLOCK_K holds one or more), or with A_TOKEN per route over all of I (a first pass over the
+    partials finds each route's max).
     mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows).
     ROUTE_SPLIT > 1: the token's routes shared by that many programs (program_id(2)), K_PAD
     each; each stores its fp32 sum at `partials[split, t, n]` and the last of them to arrive
@@ -1027,6 +1028,9 @@ def down_tiny_kernel(
     BLOCK_N programs leave multiprocessors idle. PDL (launched with launch_pdl after the tiny
     gate/up): programs start while the gate/up's last ones run, load their first weight tile
     and wait for the gate/up to finish before reading the activation (_await_previous)."""
+    # fp8: a step's activation groups (launch_config makes fp8 steps whole 128-wide groups)
+    GROUP_K: tl.constexpr = SCALE_BLOCK if BLOCK_K >= SCALE_BLOCK else BLOCK_K
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.program_id(2) * K_PAD + tl.arange(0, K_PAD)
@@ -1085,13 +1089,18 @@ def down_tiny_kernel(
             a = _tiny_act(act_ptr, routes, here, offs_k, inter)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]
-            elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:
-                q, a_scale = _quantize_rows(a, FP8, FP8_MAX)
-                a = q.to(tl.float32) * a_scale[:, None]
+            elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:  # each 128-wide group of the step on its own
+                q, a_scale = _quantize_rows(tl.reshape(a, [K_PAD * GROUPS, GROUP_K]), FP8, FP8_MAX)
+                a = tl.reshape(q.to(tl.float32) * a_scale[:, None], [K_PAD, BLOCK_K])
             w = w.to(tl.float32)
-            if W_QUANT == W_BLOCK:
-                block_scale = scale_base[:, None] + (offs_n // SCALE_BLOCK)[None, :] * stride_sn + k
-                w *= tl.load(block_scale, mask=here[:, None] & n_ok[None, :], other=0.0)[:, :, None]
+            if W_QUANT == W_BLOCK:  # each group's block scale on its 128 weights of a row
+                offs_g = k * GROUPS + tl.arange(0, GROUPS)
+                block_scale = (scale_base[:, None, None] + (offs_n // SCALE_BLOCK)[None, :, None] * stride_sn
+                               + offs_g[None, None, :])
+                g_ok = w_ok & (offs_g < tl.cdiv(inter, SCALE_BLOCK))[None, None, :]
+                w_groups = tl.reshape(w, [K_PAD, BLOCK_N, GROUPS, GROUP_K])
+                w = tl.reshape(w_groups * tl.load(block_scale, mask=g_ok, other=0.0)[:, :, :, None],
+                               [K_PAD, BLOCK_N, BLOCK_K])
             acc += tl.sum(w * a[:, None, :], axis=2)
     if W_QUANT == W_TENSOR:
         acc *= tl.load(scale_base, mask=here, other=0.0)[:, None]

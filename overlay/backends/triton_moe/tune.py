@@ -23,6 +23,7 @@ from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, wi
 from .configs import (
     FP8_GEMV_STEPS,
     FP8_STEP,
+    FP8_TINY_DOWN_STEPS,
     GLUON_BLOCK_M,
     MX_MIN_K,
     RESIDENT_MAX_I,
@@ -211,10 +212,12 @@ def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig
     """Matrix-vector products of a token's routes at once: [routes, BLOCK_N, BLOCK_K] weight
     tiles and [routes, BLOCK_K] activations in registers, the routes all k or shared by 2 or 4
     programs (split_k: more programs where one token's H / BLOCK_N leave multiprocessors
-    idle). Wide BLOCK_K (up to all of I) keeps enough bytes in flight when few programs run.
-    One stage: no dot, so nothing for Triton to pipeline."""
+    idle). Wide BLOCK_K (up to all of I; fp8 too, one to four 128-wide groups) keeps enough
+    bytes in flight when few programs run, and under PDL loads all the weights before the
+    gate/up ends. One stage: no dot, so nothing for Triton to pipeline."""
     widest = min(1024, 1 << (inter - 1).bit_length())
-    block_ks = (128,) if fp8 else tuple(k for k in (64, 128, 256, 512, 1024) if k <= widest)
+    steps = FP8_TINY_DOWN_STEPS if fp8 else (64, 128, 256, 512, 1024)  # fp8: whole 128-wide groups
+    block_ks = tuple(k for k in steps if k <= widest or (fp8 and k == FP8_STEP))
     k_pad = 1 << (top_k - 1).bit_length()
     return [KernelConfig(n, k, w, 1, split_k=split) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
             for split in (1, 2, 4) if split <= k_pad and k_pad // split * n * k // (32 * w) <= REG_BUDGET]
