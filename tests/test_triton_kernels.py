@@ -505,10 +505,11 @@ def model_weights():
 
 # The formats the checkpoints ship (Kimi-K3 mxfp4, DeepSeek-V3 fp8 128x128 blocks, FP8 Maverick
 # per-channel weights with per-token activations) and more: fp8-block and mxfp4 on both
-# fp8 models' shapes.
+# fp8 models' shapes, and Maverick's per-channel weights with 128-wide activation groups (which
+# share fp8-channel-token's entries: at M=1 and 16 one-token downs of four and two groups a step).
 MODEL_POINTS = [(m.name, "bf16", t) for m in MODELS for t in TOKEN_COUNTS] + [
     (name, weights, t) for weights in ("fp8-block", "mxfp4") for name in FP8_MODELS for t in TOKEN_COUNTS] + [
-    ("Maverick", "fp8-channel-token", t) for t in TOKEN_COUNTS]
+    ("Maverick", weights, t) for weights in ("fp8-channel-token", "fp8-channel") for t in TOKEN_COUNTS]
 
 
 @needs_cuda
