@@ -465,11 +465,13 @@ def test_floor_read_kernels_fold_every_word_they_time(kind):
 
 
 @needs_device
-def test_align_sorts_every_route_once_into_padded_expert_blocks():
-    from moe_overlay.backends.triton_moe.launch import ALIGN_CHUNK, align
+@pytest.mark.parametrize("tokens", [40, 2348])  # one sort program (of the fewest routes); 23 of 512 routes
+def test_align_sorts_every_route_once_into_padded_expert_blocks(tokens):
+    from moe_overlay.backends.triton_moe.launch import ALIGN_CHUNKS, align, align_chunk
 
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 12, (ALIGN_CHUNK // 2 + 300, 5), generator=gen, dtype=torch.int32).to(DEVICE)  # 3 chunks
+    ids = torch.randint(0, 12, (tokens, 5), generator=gen, dtype=torch.int32).to(DEVICE)
+    assert align_chunk(ids.numel()) == (ALIGN_CHUNKS[0] if tokens == 40 else 512)
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, -1, 7, 8], dtype=torch.int32, device=DEVICE)
     a = align(ids, expert_map, 9, 16)
     local = expert_map[ids.reshape(-1).long()].cpu()

@@ -42,7 +42,8 @@ W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.
 A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names of the 16-bit activations
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
-ALIGN_CHUNK = 4096  # routes per sort program
+ALIGN_CHUNKS = (256, 4096)  # routes per sort program: the fewest and the most (align_chunk)
+ALIGN_PROGRAMS = 32  # sort programs a call aims at
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
 QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
@@ -155,20 +156,31 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
         num_blocks,
     )
     e_pad = triton.next_power_of_2(num_local)
-    chunks = triton.cdiv(routes, ALIGN_CHUNK)
+    chunk = align_chunk(routes)
+    chunks = triton.cdiv(routes, chunk)
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
     cursor = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     emap = ids if expert_map is None else expert_map
     has_map = expert_map is not None
     _launch(kernels.align_count_kernel, (chunks,), ids, emap, counts, routes,
-            HAS_MAP=has_map, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=8)
+            HAS_MAP=has_map, E_PAD=e_pad, CHUNK=chunk, num_warps=8)
     _launch(
         kernels.align_scatter_kernel, (chunks,),
         ids, emap, counts, cursor, out.sorted_routes, out.block_expert, out.block_rows, out.num_padded, routes,
-        HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, ROWS=ALIGN_TABLE_ROWS, num_warps=8,
+        HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, ROWS=ALIGN_TABLE_ROWS, num_warps=8,
     )
     return out
+
+
+def align_chunk(routes: int) -> int:
+    """Routes per sort program: about ALIGN_PROGRAMS programs, within ALIGN_CHUNKS. A count
+    program's histogram costs it time in proportion to its routes times the experts (Triton's
+    warp-level histogram: each lane tests every route against its share of the bins), so one
+    program of 4096 routes held the whole of a small call (Kimi-K3 M=128: 2048 routes, 896
+    experts); each scatter program reads the whole count table (programs x experts), so not
+    thousands of programs either."""
+    return min(ALIGN_CHUNKS[1], max(ALIGN_CHUNKS[0], triton.next_power_of_2(triton.cdiv(routes, ALIGN_PROGRAMS))))
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
