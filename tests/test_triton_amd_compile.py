@@ -62,9 +62,12 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
                 general, down=dataclasses.replace(general.down, n_split=2))),
             "one token, gemv gate/up": (1, dataclasses.replace(
                 tiny, gate_up=dataclasses.replace(tiny.gate_up, gemv=True, block_n=8, num_stages=1)))}
-    if layer.shape.fp8:  # the fp8 gemv stepping two 128-wide groups, as the H200's block-fp8 entries take it
+    if layer.shape.fp8:  # the fp8 gemv stepping two 128-wide groups, as the H200's block-fp8 entries take it,
+        # and the one-token down stepping two (all of this I; the H200's Maverick entries step four)
         runs["one token, gemv gate/up, two groups a step"] = (1, dataclasses.replace(
             tiny, gate_up=dataclasses.replace(tiny.gate_up, gemv=True, block_n=8, block_k=256, num_stages=1)))
+        runs["one token, down of two groups a step"] = (1, dataclasses.replace(
+            tiny, down=dataclasses.replace(tiny.down, block_k=256)))
     if layer.shape.interleaved:
         runs["96 tokens, two row tiles"] = (96, dataclasses.replace(general, block_m=48))
     if weights == "fp8-block":  # the resident down an H200 entry may ask for
