@@ -290,16 +290,16 @@ def lookup(table: Table, device: str, shape: LayerShape, num_tokens: int) -> tup
 @lru_cache(maxsize=4096)
 def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShape, num_tokens: int) -> LaunchConfig:
     config, _ = lookup(_table(user_env), device, shape, num_tokens)
-    if is_tiny(num_tokens, shape.top_k):
+    tiny = is_tiny(num_tokens, shape.top_k)
+    if tiny:
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
     if not shape.interleaved:  # fp8: one K step per 128-wide scale
-        # block and activation group (the gemv gate/up: one or two; tiny mode's down: one, two or
-        # four, so that a one-token down can load all of a small I before it waits). mxfp4: K steps of whole
-        # 32-wide scale groups, at least MX_MIN_K, and weight tiles by plain loads (packed K, not
-        # what a descriptor's box holds)
+        # block and activation group (the gemv gate/up: one or two; tiny mode's down: one, two
+        # or four, so that a one-token down loads more of a small I before it waits). mxfp4: K
+        # steps of whole 32-wide scale groups, at least MX_MIN_K, and weight tiles by plain loads
+        # (packed K, not what a descriptor's box holds)
         gemv_k = config.gate_up.block_k if config.gate_up.gemv and config.gate_up.block_k in FP8_GEMV_STEPS else 0
-        tiny_down_k = config.down.block_k if is_tiny(num_tokens, shape.top_k) and (
-            config.down.block_k in FP8_TINY_DOWN_STEPS) else 0
+        tiny_down_k = config.down.block_k if tiny and config.down.block_k in FP8_TINY_DOWN_STEPS else 0
         gate_up_k, down_k = (gemv_k or FP8_STEP, tiny_down_k or FP8_STEP) if shape.fp8 else (
             max(config.gate_up.block_k, MX_MIN_K), max(config.down.block_k, MX_MIN_K))
         config = replace(config,
