@@ -437,7 +437,7 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
     assert not left(layer, fp8.gate_up, 16, GPUTarget("hip", "gfx942", 64))
 
 
-def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypatch):
+def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -452,16 +452,20 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
     assert offered and all(m == configs.GLUON_BLOCK_M and g.num_warps == 4 for m, g in offered)
     assert {g.block_n for _, g in offered} == {64}
     for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 1024), ("Maverick", "fp8-channel-token", 8192),
-                                   ("DeepSeek-V3", "bf16", 8192), ("Kimi-K3", "mxfp4", 8192)):
-        assert not gluon_gate_ups(model, weights, tokens), (model, weights, tokens)  # no block of 64 / not block fp8
+                                   ("DeepSeek-V3", "bf16", 8192), ("Kimi-K3", "mxfp4", 1)):
+        assert not gluon_gate_ups(model, weights, tokens), (model, weights, tokens)  # no block of 64 / format / tiny
+    for tokens in (16, 1024, 8192):  # mxfp4: blocks of 16 to 64 rows (the wgmma's N), N tiles of whole wgmmas
+        offered = gluon_gate_ups("Kimi-K3", "mxfp4", tokens)
+        assert offered and {m for m, _ in offered} <= set(configs.GLUON_MX_BLOCK_MS)
+        assert {(g.block_n, g.block_k, g.num_warps) for _, g in offered} == {(64, 64, 4), (128, 64, 4)}
 
     entry = {"block_m": 64, "gate_up": {**_entry(64)["gate_up"], "block_k": 128, "gluon": True},
              "down": _entry(64)["down"]}
-    shapes = [configs.LayerShape(8, 512, 256, 2, w) for w in ("bf16", "fp8-channel", "fp8-block")]
+    shapes = [configs.LayerShape(8, 512, 256, 2, w) for w in ("bf16", "fp8-channel", "fp8-block", "mxfp4")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": entry} for s in shapes}})))
-    bf16, channel, block = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
-    assert not bf16.gate_up.gluon and not channel.gate_up.gluon and block.gate_up.gluon
+    bf16, channel, block, mx = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    assert not bf16.gate_up.gluon and not channel.gate_up.gluon and block.gate_up.gluon and mx.gate_up.gluon
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -482,6 +486,24 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_only(tmp_path, monkeypa
     assert not uses(launch.Layer(shapes[1], granularity="channel"), block)
     assert not uses(layer, block, target=GPUTarget("cuda", 89, 32))
     assert not uses(layer, block, target=GPUTarget("hip", "gfx942", 64))
+
+    # mx_words (int32 weights: NVIDIA's mxfp4 layout), the entry's block_k of 128 kept
+    words = launch.Layer(shapes[3], mx_words=True)
+    assert uses(words, mx) == compiled
+    for block_m in configs.GLUON_MX_BLOCK_MS:
+        assert uses(words, replace(mx, block_m=block_m)) == compiled
+    assert uses(words, replace(mx, gate_up=replace(mx.gate_up, block_n=128, block_k=64))) == compiled
+    assert not uses(launch.Layer(shapes[3]), mx)  # packed bytes (ROCm's): the `tl` kernel's tl.dot_scaled
+    assert not uses(words, replace(mx, block_m=128))  # N of 128 tokens: not offered
+    assert not uses(words, replace(mx, block_m=48))  # three row tiles
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, block_n=32)))  # half a wgmma
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, block_n=192)))  # I of 256 in tiles of 192
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, block_k=256)))
+    assert not uses(launch.Layer(configs.LayerShape(8, 576, 256, 2, "mxfp4"), mx_words=True), mx)  # H of 4.5 steps
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, num_stages=1)))
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, num_warps=8)))
+    assert not uses(words, mx, sorted_mode=False)
+    assert not uses(words, mx, target=GPUTarget("cuda", 89, 32))
 
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):

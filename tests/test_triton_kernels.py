@@ -196,6 +196,41 @@ def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, block_n, tmp_path
     assert torch.equal(outs[0], outs[1])
 
 
+GLUON_MX_SPECS = [with_weights(spec, "mxfp4") for spec in GLUON_SPECS]  # H and I whole word chunks and wgmmas
+GLUON_MX_ENTRIES = {  # (block_m, gate_up) of gluon_kernels' mx_words gate/up
+    "16-rows": (16, {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}),
+    "32-rows-two-wgmmas": (32, {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4, "group_m": 1}),
+    "64-rows-two-chunks": (64, {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 1}),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("m", [40, 300])
+@pytest.mark.parametrize("entry", GLUON_MX_ENTRIES)
+def test_gluon_mx_words_gate_up_equals_the_tl_kernel(spec, m, entry, tmp_path, monkeypatch):
+    """The same mxfp4 entry with and without `gluon` (gluon_kernels' mx_words kernel on NVIDIA
+    from sm_90, which must take it there; elsewhere both run kernels.gate_up_kernel): the same
+    decoded weights and the same wgmma sums, so the same output, and the reference's within
+    bf16's error."""
+    from moe_overlay.backends.triton_moe import launch
+
+    block_m, gate_up = GLUON_MX_ENTRIES[entry]
+    down = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    outs = []
+    for gluon in (False, True):
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {
+            str(m): {"block_m": block_m, "gate_up": {**gate_up, "gluon": gluon}, "down": down}}}}
+        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
+        prepared, out, _ = _check(spec, m, tol=1e-2)
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
+        assert launch.uses_gluon(layer, config, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
     mo.MoESpec(8, 384, 384, 2),  # three K steps, weight tiles through descriptors
     mo.MoESpec(8, 256, 200, 4, mo.Activation.situ(3.0, 9.0)),  # a last K step of 72: plain loads, masked

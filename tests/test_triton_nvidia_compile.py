@@ -223,6 +223,46 @@ def test_gluon_gate_up_overlaps_each_rescale_with_the_next_dot_from_hopper_on(ar
         assert "0x1" in waits and sass.count("GMMA") >= 2, waits
 
 
+GLUON_MX_LAUNCHES = {  # mx_words sorted gate/ups, through gluon_kernels where the entry asks
+    f"{block_m} rows, {block_n} columns, K steps of {block_k}": (300, _config(
+        block_m, {"block_n": block_n, "block_k": block_k, "gluon": True}, {"block_n": 128}))
+    for block_m, block_n, block_k in ((16, 64, 64), (32, 128, 64), (64, 64, 128))
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 11), (89, DEVICE + 12)], ids=["sm_90", "sm_89"])
+def test_gluon_mx_words_gate_up_decodes_into_the_wgmma_operand_from_hopper_on(arch, device):
+    """Hopper: the entry's mx_words gate/up is gluon_kernels' kernel (blocks of 16, 32 and 64
+    rows, N tiles of one and two wgmmas, K steps of one and two word chunks). The words load
+    from shared memory straight into the layout their decode leaves as wgmma's register operand
+    (the kernel asserts, when traced, that the conversion moves no data); the e8m0 scales load
+    into theirs (kernels.gate_up_kernel converts its 1-byte scale tiles, through shared memory);
+    nothing computed is stored to shared memory; a K step's gate and up wgmmas are both issued
+    before its one wait (the `tl` kernel waits for each). Ada runs kernels.gate_up_kernel."""
+    from triton import knobs
+
+    from moe_overlay.backends.triton_moe import gluon_kernels
+
+    compiled = _compile(GLUON_MX_LAUNCHES, arch, device)
+    gluon = list(gluon_kernels.gate_up_mx_words_kernel.device_caches.get(device, ({},))[0].values())
+    assert len(gluon) == (3 if arch >= 90 else 0)
+    assert len(compiled["gate_up_kernel"]) == (0 if arch >= 90 else 3)
+    for kernel in gluon:
+        ir = kernel.asm["ttgir"]
+        assert len(re.findall(r"ttg\.local_load [^\n]*-> tensor<\d+x\d+x4xi32, #linear", ir)) == 2  # gate, up
+        assert not re.search(r"ttg\.convert_layout [^\n]*xi8,", ir)
+        assert not re.search(r"ttg\.local_alloc %", ir)
+        assert len(re.findall(r"warp_group_dot %\S+, %\S+, %\S+.*: tensor<\d+x\d+xbf16, #ttg\.dot_op<\{opIdx = 0",
+                              ir)) == 2
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x\d", sass) == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+        assert sass.count("HGMMA") >= 8
+
+
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
 RESIDENT_LAUNCHES = {  # block-fp8 resident downs: 64-row tiles through descriptors or plain loads; 32-row weight-left
     "64 rows, descriptors": (300, _config(64, {"block_k": 128}, {"block_k": 128, "n_split": 1, "resident": True,

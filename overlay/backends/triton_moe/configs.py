@@ -27,7 +27,9 @@ USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
 TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
 MIN_TILE_M = 16  # a dot's least M
 MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
-GLUON_BLOCK_M = 64  # gluon_kernels' gate/up: one warpgroup's wgmma rows a block
+GLUON_BLOCK_M = 64  # gluon_kernels' block-fp8 gate/up: one warpgroup's wgmma rows a block
+GLUON_MX_BLOCK_MS = (16, 32, 64)  # gluon_kernels' mx_words gate/up: its blocks (the wgmma's N)
+GLUON_MX_BLOCK_KS = (64, 128)  # and its K steps: one or two 64-K word chunks
 RESIDENT_MAX_I = 512  # down_resident_kernel: beyond, a program per output tile has enough K steps to pipeline
 FP8_STEP = 128  # fp8 K steps: one 128-wide weight scale block and activation group each
 FP8_GEMV_STEPS = (FP8_STEP, 2 * FP8_STEP)  # the fp8 gemv gate/up's K steps: one group or two
@@ -50,7 +52,7 @@ class KernelConfig:
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
     weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
-    gluon: bool = False  # block-fp8 sorted gate/up: gluon_kernels' (each rescale overlaps the next dot; NVIDIA sm_90+)
+    gluon: bool = False  # block-fp8 or mx_words sorted gate/up: gluon_kernels' (NVIDIA sm_90+; launch.uses_gluon)
     resident: bool = False  # block-fp8 down with n_split, I <= RESIDENT_MAX_I: down_resident_kernel, not streamed
 
 
@@ -310,7 +312,7 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     if not shape.fp8:  # weight_left turns fp8 dots only
         config = replace(config, gate_up=replace(config.gate_up, weight_left=False),
                          down=replace(config.down, weight_left=False))
-    if shape.weights != "fp8-block":  # the Gluon gate/up is block-fp8's
+    if shape.weights not in ("fp8-block", "mxfp4"):  # the Gluon gate/ups are block-fp8's and mx_words'
         config = replace(config, gate_up=replace(config.gate_up, gluon=False))
     if config.down.resident and not shape.resident_fp8:
         config = replace(config, down=replace(config.down, resident=False))  # bf16/fp16's is implied by n_split

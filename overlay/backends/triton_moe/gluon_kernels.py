@@ -1,20 +1,26 @@
-"""The block-fp8 gate/up for NVIDIA Hopper (sm_90) in Gluon, Triton's lower-level dialect.
+"""Gate/up kernels for NVIDIA Hopper (sm_90) in Gluon, Triton's lower-level dialect, where
+layouts and waits are written out. Only sorted mode (kernels.align_*) and one warpgroup (4
+warps); launch.uses_gluon decides, and everything else, ROCm included, runs
+kernels.gate_up_kernel, which computes the same sums in the same order: the outputs are equal,
+bit for bit, on an H200.
 
-Block-fp8 weights (128x128 scale blocks, activations quantised per 1x128 group) need each K
-step's product scaled on its own: acc += (a @ w) * a_scale * w_scale. Triton's `tl` loop
-waits for each step's wgmma at once and then rescales, so the tensor cores idle during every
-rescale (kernels._mma_step; docs/performance.md). Here each step's wgmma starts on fresh
-registers and the previous step's product is rescaled while it runs (`warpgroup_mma_wait(1)`).
-No product in flight crosses a loop back-edge: LLVM copies loop-carried values with moves, and
-ptxas then serialises every wgmma (C7514). So the K loop walks PASS steps a pass, unrolled,
-each pass waiting for its last dot. Same sums in the same order as the `tl` kernel: the
-output is the same, bit for bit, on an H200.
+Block fp8 (gate_up_block_fp8_kernel). 128x128-block weights need each K step's product scaled
+on its own: acc += (a @ w) * a_scale * w_scale. Triton's `tl` loop waits for each step's wgmma
+at once and then rescales, so the tensor cores idle during every rescale (kernels._mma_step;
+docs/performance.md). Here each step's wgmma starts on fresh registers and the previous step's
+product is rescaled while it runs (`warpgroup_mma_wait(1)`). No product in flight crosses a
+loop back-edge: LLVM copies loop-carried values with moves, and ptxas then serialises every
+wgmma (C7514). So the K loop walks PASS steps a pass, unrolled, each pass waiting for its last
+dot. Blocks of 64 rows, gate and up rows interleaved by the pointers into one tile (column 2n
+gate row n, 2n+1 up row n; the weights stay canonical).
 
-Only this case: sorted mode (kernels.align_*), blocks of 64 rows, one warpgroup (4 warps),
-gate and up rows interleaved by the pointers into one tile (column 2n gate row n, 2n+1 up
-row n; the weights stay canonical). launch.uses_gluon decides; everything else, ROCm
-included, runs kernels.gate_up_kernel. Triton 3.6 and 3.9 name two calls differently: both
-are looked up once here.
+mx_words (gate_up_mx_words_kernel). The `tl` kernel's e8m0 scales reach the decode through
+shared memory (Triton lays their 1-byte load out apart from the words and converts), and it
+waits for each wgmma before decoding the next tile. Here the words load into the layout wgmma
+takes them in decoded (mx_words_layout), the scales straight into that layout a step ahead,
+and the up tile decodes while the gate's wgmma runs.
+
+Triton 3.6 and 3.9 name two calls differently: both are looked up once here.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .configs import GLUON_BLOCK_M
-from .kernels import SCALE_BLOCK, _activate, settle_cache_keys
+from .kernels import (
+    MX_GROUP,
+    MX_WORD_CHUNK,
+    MX_WORD_ROWS,
+    SCALE_BLOCK,
+    _activate,
+    _mx_pairs,
+    _mx_scale_bits,
+    settle_cache_keys,
+)
 
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -162,6 +177,159 @@ def gate_up_block_fp8_kernel(
     out = gl.convert_layout(_activate(gate, up, beta, linear_beta, ACTIVATION).to(out_ptr.dtype.element_ty),
                            out_layout)
     r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    ptrs = out_ptr + (pid_m * BLOCK_M + r_out)[:, None] * stride_om + c_out[None, :]
+    gl.store(ptrs, out, mask=(r_out < count)[:, None])
+
+
+MX_WGMMA_ROWS = 64  # weight rows of one warpgroup's wgmma: the mx_words kernel's N tiles are whole ones
+WORDS_PER_CHUNK: gl.constexpr = gl.constexpr(MX_WORD_ROWS.value * MX_WORD_CHUNK.value)  # a 16-row group's 64-K chunk
+GROUP_WORDS: gl.constexpr = gl.constexpr(4)  # a row's words of one 32-K scale group
+CHUNK_GROUPS: gl.constexpr = gl.constexpr(MX_WORD_CHUNK.value // 4)  # scale groups of a 64-K chunk
+
+
+def mx_words_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
+    """`[rows, groups, 4]` mx_words of one K step where wgmma wants them decoded (4 warps, a
+    warpgroup): a lane's word (row, c, t) decodes to exactly its bf16 A-operand registers
+    (rows r and r + 8, K = 32c + 16h + 8q + 2t + p). Lane % 4 is t, lane / 4 the row within
+    8; registers the row + 8, the group and the 64-row wgmma tiles; warps the 16-row slices."""
+    regs = [[8, 0, 0]] + [[0, 1 << i, 0] for i in range(groups.bit_length() - 1)]
+    regs += [[MX_WGMMA_ROWS << i, 0, 0] for i in range((rows // MX_WGMMA_ROWS).bit_length() - 1)]
+    lanes = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warps = [[16, 0, 0], [32, 0, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [rows, groups, 4])
+
+
+@gluon.jit
+def _bf16x2_mul(pair, scale2):
+    """bf16x2 `pair` times bf16x2 `scale2`, both as int32: one instruction for two weights."""
+    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [pair, scale2], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _bf16_halves(pair):
+    """An int32 bf16x2 pair -> `[..., 2]` bf16, low half first."""
+    return gl.join(pair.to(gl.int16), (pair >> 16).to(gl.int16)).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _mx_decode(words, scales, a_layout: gl.constexpr):
+    """`[rows, C, 4]` words (mx_words_layout) and their `[rows, C]` e8m0 scales -> the bf16
+    `[rows, 32C]` weight tile, K in order, as wgmma's register operand `a_layout`; the
+    conversion is asserted to move no data."""
+    bits = _mx_scale_bits(scales)
+    scale2 = gl.expand_dims(bits | (bits << 16), 2)
+    p0, p1, p2, p3 = _mx_pairs(words)
+    full = gl.join(gl.join(_bf16_halves(_bf16x2_mul(p0, scale2)), _bf16_halves(_bf16x2_mul(p1, scale2))),
+                   gl.join(_bf16_halves(_bf16x2_mul(p2, scale2)), _bf16_halves(_bf16x2_mul(p3, scale2))))
+    # [rows, C, T, P, Q, H] -> [rows, C, H, Q, T, P]: K = 32c + 16h + 8q + 2t + p
+    full = gl.reshape(gl.permute(full, (0, 1, 5, 4, 2, 3)), [words.shape[0], words.shape[1] * MX_GROUP])
+    return gl.convert_layout(full, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, slot, tokens, rows, w_offs, up_offs, k, k_steps, stride_xm,
+                  BLOCK_K: gl.constexpr, a_blk: gl.constexpr):
+    """Asynchronous copies of K step `k`'s activation rows and gate and up words into ring
+    slot `slot`, as one commit group (an empty one past the last step)."""
+    if k < k_steps:
+        offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_blk))
+        _async_load(a_smem.index(slot), x_ptr + tokens[:, None] * stride_xm + offs_k[None, :], mask=rows[:, None])
+        step = k * (BLOCK_K // (CHUNK_GROUPS * MX_GROUP)) * WORDS_PER_CHUNK
+        _async_load(g_smem.index(slot), w_ptr + w_offs + step)
+        _async_load(u_smem.index(slot), w_ptr + w_offs + up_offs + step)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def gate_up_mx_words_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, topk_weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    inter, hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_om, beta, linear_beta,
+    WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """kernels.gate_up_kernel in sorted mode for mx_words with 16-bit activations: BLOCK_N gate
+    and up weight rows a program, decoded each K step into wgmma's register operand (the weight
+    tile on the left, the block's BLOCK_M activation rows from shared memory on the right).
+    The e8m0 scales load straight into the words' register layout (W_LAYOUT, mx_words_layout),
+    a step ahead; the up tile decodes while the gate's wgmma runs."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    a_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    w_blk: gl.constexpr = gl.BlockedLayout([1, 1, GROUP_WORDS], [32 // C, C, 1], [num_warps, 1, 1], [2, 1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
+    num_n = inter // BLOCK_N
+    pid_m = gl.program_id(0) // num_n
+    pid_n = gl.program_id(0) % num_n
+    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
+        return
+    count = gl.load(block_rows_ptr + pid_m)
+    if count <= 0:
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    r_blk = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_blk))
+    rows = r_blk < count
+    tokens = (gl.load(sorted_ptr + pid_m * BLOCK_M + r_blk, mask=rows, other=0) // top_k).to(gl.int64)
+    # word (row, c, t) of K step 0: mx_words keeps `[N/16, K/64, 16, 8]` words an expert
+    words_per_row = hidden // 8
+    wr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_blk)))
+    wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_blk)))
+    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
+    w_offs = (expert * stride_we + ((wr // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row)
+                                    + (wr % MX_WORD_ROWS) * MX_WORD_CHUNK)[:, None, None]
+              + ((wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS)[None, :, None]
+              + wt[None, None, :])
+    up_offs = inter * words_per_row
+    sr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
+    s_ptrs = ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
+    s_up = inter * stride_sn
+
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16))
+    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    g_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C, GROUP_WORDS], words_smem)
+    u_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C, GROUP_WORDS], words_smem)
+    k_steps = hidden // BLOCK_K
+    for s in gl.static_range(STAGES - 1):
+        _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, s, tokens, rows, w_offs, up_offs, s, k_steps, stride_xm,
+                      BLOCK_K, a_blk)
+    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    g_scales = gl.load(s_ptrs)
+    u_scales = gl.load(s_ptrs + s_up)
+    for k in range(k_steps):
+        ahead = gl.minimum(k + 1, k_steps - 1) * C
+        g_next = gl.load(s_ptrs + ahead)
+        u_next = gl.load(s_ptrs + s_up + ahead)
+        async_copy.wait_group(STAGES - 2)  # step k's copies, every thread's, are in and visible to wgmma
+        _barrier()
+        fence_async_shared()
+        # the slot step k - 1 used: every warp is past it (the barrier) and its wgmmas are done
+        _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, (k + STAGES - 1) % STAGES, tokens, rows, w_offs,
+                      up_offs, k + STAGES - 1, k_steps, stride_xm, BLOCK_K, a_blk)
+        slot = k % STAGES
+        acts = a_smem.index(slot).permute((1, 0))
+        gate = warpgroup_mma(_mx_decode(g_smem.index(slot).load(W_LAYOUT), g_scales, a_op), acts, acc_g,
+                             is_async=True)
+        up = warpgroup_mma(_mx_decode(u_smem.index(slot).load(W_LAYOUT), u_scales, a_op), acts, acc_u,
+                           is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+        g_scales = g_next
+        u_scales = u_next
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+    gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), out_layout)
+    up = gl.convert_layout(gl.permute(acc_u, (1, 0)), out_layout)
+    r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W)
+        routes = gl.load(sorted_ptr + pid_m * BLOCK_M + r_out, mask=r_out < count, other=0)
+        weight = gl.load(topk_weights_ptr + routes, mask=r_out < count, other=0.0)[:, None]
+        gate *= weight
+        up *= weight
+    out = _activate(gate, up, beta, linear_beta, ACTIVATION).to(out_ptr.dtype.element_ty)
     c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     ptrs = out_ptr + (pid_m * BLOCK_M + r_out)[:, None] * stride_om + c_out[None, :]
     gl.store(ptrs, out, mask=(r_out < count)[:, None])

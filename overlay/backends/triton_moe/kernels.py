@@ -373,17 +373,34 @@ def _mx_decode(words, scales):
     exponent in bf16's lowest exponent bits is the value times 2^-126 (code 0.5 a subnormal),
     which one multiply by 2^(s - 1), the scale times 2^126, makes exact. Each pair is scaled
     as a pair, one bf16x2 multiply for two weights (_bf16_pair)."""
-    scale = ((scales.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None, None]
-    both: tl.constexpr = -0x7E3F7E40  # 0x81C081C0: sign and magnitude of both halves
-    sign: tl.constexpr = -0x7FFF8000  # 0x80008000
-    mag: tl.constexpr = 0x01C001C0
-    p0 = _bf16_pair(words & both, scale, False)
-    p1 = _bf16_pair((words << 3) & both, scale, False)
-    p2 = _bf16_pair(((words << 2) & sign) | ((words << 6) & mag), scale, True)
-    p3 = _bf16_pair(((words << 1) & sign) | ((words >> 3) & mag), scale, True)
+    scale = _mx_scale_bits(scales).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None, None]
+    w0, w1, w2, w3 = _mx_pairs(words)
+    p0 = _bf16_pair(w0, scale, False)
+    p1 = _bf16_pair(w1, scale, False)
+    p2 = _bf16_pair(w2, scale, True)
+    p3 = _bf16_pair(w3, scale, True)
     # pair j = q + 2h, half p: [rows, C, T, P, Q, H] -> [rows, C, H, Q, T, P], K = 32c + 16h + 8q + 2t + p
     full = tl.permute(tl.join(tl.join(p0, p1), tl.join(p2, p3)), (0, 1, 5, 4, 2, 3))
     return tl.reshape(full, [words.shape[0], words.shape[1] * MX_GROUP])
+
+
+@triton.jit
+def _mx_pairs(words):
+    """A word's four bf16 pairs, unscaled (each the values times 2^-126), as int32: pair j =
+    q + 2h holds K = 8q + 16h + 2t + p of the word's group (_mx_decode); the first two take a
+    shift and mask, the last two two of each (layout.MX_WORD_SIGN)."""
+    both: tl.constexpr = -0x7E3F7E40  # 0x81C081C0: sign and magnitude of both halves
+    sign: tl.constexpr = -0x7FFF8000  # 0x80008000
+    mag: tl.constexpr = 0x01C001C0
+    return (words & both, (words << 3) & both, ((words << 2) & sign) | ((words << 6) & mag),
+            ((words << 1) & sign) | ((words >> 3) & mag))
+
+
+@triton.jit
+def _mx_scale_bits(scales):
+    """e8m0 scales (uint8) -> the bits of the bf16 2^(s - 1) (int32, low half), the multiplier
+    that makes _mx_pairs' values exact."""
+    return (scales.to(tl.int32) + 126) << 7
 
 
 @triton.jit

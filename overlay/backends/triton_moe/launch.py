@@ -22,6 +22,8 @@ from . import kernels
 from .configs import (
     FP8_GEMV_STEPS,
     GLUON_BLOCK_M,
+    GLUON_MX_BLOCK_KS,
+    GLUON_MX_BLOCK_MS,
     KernelConfig,
     LaunchConfig,
     LayerShape,
@@ -289,29 +291,58 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
 
 
 def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
-    """Whether the gate/up runs gluon_kernels' block-fp8 kernel: the entry asks (the tuner
-    times both); the layer is block-fp8 with its activations quantised first (`sorted_mode`);
-    blocks of the kernel's 64 rows, 4 warps, a ring slot for each of a pass's K steps at least,
-    N tiles that start on their own width and lie in
-    one 128-row scale block (gate and up alike), H a whole number of the kernel's passes; and
-    the kernels compile for NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's
-    Hopper calls. Otherwise kernels.gate_up_kernel runs the same entry."""
+    """Whether the gate/up runs one of gluon_kernels' kernels: the entry asks (the tuner times
+    both); sorted mode (`sorted_mode`; block fp8's activations quantised first); 4 warps; the
+    kernels compile for NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's Hopper
+    calls; and the kernel's own shape rules (_gluon_block_fp8_fits, _gluon_mx_words_fits).
+    Otherwise kernels.gate_up_kernel runs the same entry."""
     cfg = config.gate_up
-    return (cfg.gluon and sorted_mode and gluon_kernels is not None and layer.granularity == "block"
-            and not layer.per_token and config.block_m == GLUON_BLOCK_M and cfg.num_warps == 4
+    if not (cfg.gluon and sorted_mode and gluon_kernels is not None and cfg.num_warps == 4
+            and _compiles_for_hopper()):
+        return False
+    return _gluon_mx_words_fits(layer, config) if layer.mx_words else _gluon_block_fp8_fits(layer, config)
+
+
+def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:
+    """Block fp8 with 1x128 activation groups; blocks of the kernel's 64 rows, a ring slot for
+    each of a pass's K steps at least, N tiles that start on their own width and lie in one
+    128-row scale block (gate and up alike), H a whole number of the kernel's passes."""
+    cfg = config.gate_up
+    return (layer.granularity == "block" and not layer.per_token and config.block_m == GLUON_BLOCK_M
             and cfg.num_stages >= gluon_kernels.PASS.value
             and kernels.SCALE_BLOCK.value % cfg.block_n == 0 and layer.shape.inter % cfg.block_n == 0
-            and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0 and _compiles_for_hopper())
+            and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0)
+
+
+def _gluon_mx_words_fits(layer: Layer, config: LaunchConfig) -> bool:
+    """mx_words: blocks of 16 to 64 rows (the wgmma's N), N tiles of whole 64-row wgmmas that
+    divide I, K steps of one or two 64-K word chunks that divide H, two ring slots at least."""
+    cfg = config.gate_up
+    return (config.block_m in GLUON_MX_BLOCK_MS and cfg.block_n % gluon_kernels.MX_WGMMA_ROWS == 0
+            and layer.shape.inter % cfg.block_n == 0 and cfg.block_k in GLUON_MX_BLOCK_KS
+            and layer.shape.hidden % cfg.block_k == 0 and cfg.num_stages >= 2)
 
 
 def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                   topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, cfg: KernelConfig,
+                   topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, config: LaunchConfig,
                    out: torch.Tensor) -> None:
+    cfg = config.gate_up
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
+    grid = (alignment.num_blocks * (layer.shape.inter // cfg.block_n),)
+    rows = (alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
+    if layer.mx_words:
+        _launch(
+            gluon_kernels.gate_up_mx_words_kernel, grid,
+            x, w13, scale, out, topk_weights, *rows, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
+            x.stride(0), w13.stride(0), stride_se, stride_sn, out.stride(0), layer.beta, layer.linear_beta,
+            WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_M=config.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+            W_LAYOUT=gluon_kernels.mx_words_layout(cfg.block_n, cfg.block_k // kernels.MX_GROUP.value), num_warps=4,
+        )
+        return
     _launch(
-        gluon_kernels.gate_up_block_fp8_kernel, (alignment.num_blocks * (layer.shape.inter // cfg.block_n),),
-        x, x_scale, w13, scale, out, topk_weights, alignment.sorted_routes, alignment.block_expert,
-        alignment.block_rows, alignment.num_padded, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
+        gluon_kernels.gate_up_block_fp8_kernel, grid,
+        x, x_scale, w13, scale, out, topk_weights, *rows, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
         x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, out.stride(0),
         layer.beta, layer.linear_beta,
         WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_N=cfg.block_n,
@@ -341,8 +372,8 @@ def gate_up(
     a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
-    if uses_gluon(layer, config, not tiny and a_fp8):
-        _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, cfg, out)
+    if uses_gluon(layer, config, not tiny and (a_fp8 or layer.mx_words)):
+        _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, config, out)
         return
     split_k = cfg.split_k if tiny else 1
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), split_k)

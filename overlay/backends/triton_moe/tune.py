@@ -25,6 +25,7 @@ from .configs import (
     FP8_STEP,
     FP8_TINY_DOWN_STEPS,
     GLUON_BLOCK_M,
+    GLUON_MX_BLOCK_MS,
     MX_MIN_K,
     RESIDENT_MAX_I,
     TINY_ROUTES,
@@ -154,6 +155,15 @@ def gluon_candidates() -> list[KernelConfig]:
     return [KernelConfig(64, 128, 4, stages, gluon=True) for stages in (3, 4)]
 
 
+def gluon_mx_candidates() -> list[KernelConfig]:
+    """mx_words gate/ups of gluon_kernels (4 warps, N tiles of one or two 64-row wgmmas, K
+    steps of 64; NVIDIA sm_90+ with mx_words, launch.uses_gluon; elsewhere the `tl` kernel runs
+    them): 3 or 4 stages. On an H200, as Kimi-K3 layers with the shipped downs: 1-6% faster than
+    the shipped `tl` gate/ups at M = 16 to 8192 (docs/performance.md, 2026-12-04); K steps of
+    128 were slower at M = 16 to 1024, so not offered."""
+    return [KernelConfig(n, 64, 4, stages, gluon=True) for n in (64, 128) for stages in (3, 4)]
+
+
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
@@ -244,6 +254,8 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
         gate_ups = gemm_candidates(b, fp8, 2, smem_bytes)
         if point.shape.weights == "fp8-block" and b == GLUON_BLOCK_M:
             gate_ups += gluon_candidates()
+        elif point.shape.weights == "mxfp4" and b in GLUON_MX_BLOCK_MS:
+            gate_ups += gluon_mx_candidates()
         cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
     return cands
 
