@@ -41,6 +41,7 @@ from .kernels import (
     MX_WORD_ROWS,
     SCALE_BLOCK,
     _activate,
+    _grid_position,
     _mx_pairs,
     _mx_scale_bits,
     settle_cache_keys,
@@ -242,18 +243,20 @@ def _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, slot, tokens, rows, w_of
     async_copy.commit_group()
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_blocks_m"])
 def gate_up_mx_words_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, topk_weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-    inter, hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_om, beta, linear_beta,
+    num_blocks_m, inter, hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_om, beta, linear_beta,
     WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """kernels.gate_up_kernel in sorted mode for mx_words with 16-bit activations: BLOCK_N gate
     and up weight rows a program, decoded each K step into wgmma's register operand (the weight
     tile on the left, the block's BLOCK_M activation rows from shared memory on the right).
     The e8m0 scales load straight into the words' register layout (W_LAYOUT, mx_words_layout),
-    a step ahead; the up tile decodes while the gate's wgmma runs."""
+    a step ahead; the up tile decodes while the gate's wgmma runs. Programs walk (block, N
+    tile) as kernels.gate_up_kernel does (GROUP_M blocks side by side)."""
     C: gl.constexpr = BLOCK_K // MX_GROUP
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -261,9 +264,7 @@ def gate_up_mx_words_kernel(
     a_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     w_blk: gl.constexpr = gl.BlockedLayout([1, 1, GROUP_WORDS], [32 // C, C, 1], [num_warps, 1, 1], [2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
-    num_n = inter // BLOCK_N
-    pid_m = gl.program_id(0) // num_n
-    pid_n = gl.program_id(0) % num_n
+    pid_m, pid_n = _grid_position(gl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
         return
     count = gl.load(block_rows_ptr + pid_m)

@@ -333,10 +333,11 @@ def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w1
     if layer.mx_words:
         _launch(
             gluon_kernels.gate_up_mx_words_kernel, grid,
-            x, w13, scale, out, topk_weights, *rows, layer.shape.inter, layer.shape.hidden, layer.shape.top_k,
-            x.stride(0), w13.stride(0), stride_se, stride_sn, out.stride(0), layer.beta, layer.linear_beta,
+            x, w13, scale, out, topk_weights, *rows, alignment.num_blocks, layer.shape.inter, layer.shape.hidden,
+            layer.shape.top_k, x.stride(0), w13.stride(0), stride_se, stride_sn, out.stride(0), layer.beta,
+            layer.linear_beta,
             WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_M=config.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
             W_LAYOUT=gluon_kernels.mx_words_layout(cfg.block_n, cfg.block_k // kernels.MX_GROUP.value), num_warps=4,
         )
         return
