@@ -54,6 +54,22 @@ PASS: gl.constexpr = gl.constexpr(2)  # K steps a pass: hidden must be a multipl
 
 
 @gluon.jit
+def _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, top_k, BLOCK_M: gl.constexpr,
+                layout: gl.constexpr):
+    """Sorted block `pid_m` (kernels.align_*): its rows' count (0 for a block past the padded
+    total: the program has nothing to do), its expert, and which of its BLOCK_M rows hold a
+    route and their tokens, laid out as `layout`."""
+    count = gl.load(block_rows_ptr + pid_m)
+    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
+        count = 0
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    offs = gl.arange(0, BLOCK_M, layout=layout)
+    rows = offs < count
+    tokens = (gl.load(sorted_ptr + pid_m * BLOCK_M + offs, mask=rows, other=0) // top_k).to(gl.int64)
+    return count, expert, rows, tokens
+
+
+@gluon.jit
 def _load_step(x_ptr, w_ptr, a_smem, w_smem, slot, tokens, rows, w_rows, k, stride_xm, stride_wn,
                BLOCK_K: gl.constexpr, blk: gl.constexpr):
     """Asynchronous copies of K step `k`'s activation rows and weight tile into ring slot
@@ -120,16 +136,11 @@ def gate_up_block_fp8_kernel(
     num_n = inter // BLOCK_N
     pid_m = gl.program_id(0) // num_n
     pid_n = gl.program_id(0) % num_n
-    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
-        return
-    count = gl.load(block_rows_ptr + pid_m)
+    # rows, as the copies (blk) and as the products (mma) lay them out
+    count, expert, rows, tokens = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+                                              top_k, BLOCK_M, gl.SliceLayout(1, blk))
     if count <= 0:
         return
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-    # rows, as the copies (blk) and as the products (mma) lay them out
-    r_blk = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-    rows = r_blk < count
-    tokens = (gl.load(sorted_ptr + pid_m * BLOCK_M + r_blk, mask=rows, other=0) // top_k).to(gl.int64)
     r_mma = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     rows_m = r_mma < count
     routes_m = gl.load(sorted_ptr + pid_m * BLOCK_M + r_mma, mask=rows_m, other=0)
@@ -186,7 +197,7 @@ def gate_up_block_fp8_kernel(
 MX_WGMMA_ROWS = 64  # weight rows of one warpgroup's wgmma: the mx_words kernel's N tiles are whole ones
 WORDS_PER_CHUNK: gl.constexpr = gl.constexpr(MX_WORD_ROWS.value * MX_WORD_CHUNK.value)  # a 16-row group's 64-K chunk
 GROUP_WORDS: gl.constexpr = gl.constexpr(4)  # a row's words of one 32-K scale group
-CHUNK_GROUPS: gl.constexpr = gl.constexpr(MX_WORD_CHUNK.value // 4)  # scale groups of a 64-K chunk
+CHUNK_GROUPS: gl.constexpr = gl.constexpr(MX_WORD_CHUNK.value // GROUP_WORDS.value)  # scale groups of a 64-K chunk
 
 
 def mx_words_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
@@ -198,7 +209,7 @@ def mx_words_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
     regs += [[MX_WGMMA_ROWS << i, 0, 0] for i in range((rows // MX_WGMMA_ROWS).bit_length() - 1)]
     lanes = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     warps = [[16, 0, 0], [32, 0, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [rows, groups, 4])
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [rows, groups, GROUP_WORDS.value])
 
 
 @gluon.jit
@@ -265,20 +276,15 @@ def gate_up_mx_words_kernel(
     w_blk: gl.constexpr = gl.BlockedLayout([1, 1, GROUP_WORDS], [32 // C, C, 1], [num_warps, 1, 1], [2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
     pid_m, pid_n = _grid_position(gl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
-        return
-    count = gl.load(block_rows_ptr + pid_m)
+    count, expert, rows, tokens = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+                                              top_k, BLOCK_M, gl.SliceLayout(1, a_blk))
     if count <= 0:
         return
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-    r_blk = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_blk))
-    rows = r_blk < count
-    tokens = (gl.load(sorted_ptr + pid_m * BLOCK_M + r_blk, mask=rows, other=0) // top_k).to(gl.int64)
     # word (row, c, t) of K step 0: mx_words keeps `[N/16, K/64, 16, 8]` words an expert
     words_per_row = hidden // 8
     wr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_blk)))
     wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_blk)))
-    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
+    wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
     w_offs = (expert * stride_we + ((wr // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row)
                                     + (wr % MX_WORD_ROWS) * MX_WORD_CHUNK)[:, None, None]
               + ((wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS)[None, :, None]
