@@ -242,13 +242,17 @@ def _shuffle_mx(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tens
 
 
 # mx_words: a word (int32) holds 8 e2m1 values of one row: those at K = 32c + 16h + 8q + 2t + p
-# of word 4c + t of the row's K/8, placed for output pair j = q + 2h, half p (bits + 16p):
-# sign at MX_WORD_SIGN[j], the 3-bit magnitude (exponent and mantissa) from MX_WORD_MAG[j] up.
-# The Triton kernels get bf16 pair j with one shift and mask where the bits lie at (15, 6..8):
-# a bf16 whose lowest exponent bits hold e2m1's exponent is the value times 2^-126 (code 0.5
-# lands on a subnormal), which one multiply by the e8m0 scale times 2^126 finishes.
-MX_WORD_SIGN = (15, 12, 13, 14)
-MX_WORD_MAG = (6, 3, 0, 9)
+# of word 4c + t of the row's K/8. The kernels make each word four bf16 pairs, pair j = q + 2h
+# holding the values of half p in bf16 half p: e2m1's sign, two exponent bits and mantissa at
+# bf16's bits MX_PAIR_BITS + 16p (the sign, the exponent's lowest two, the mantissa's top one).
+# A bf16 whose lowest exponent bits hold e2m1's exponent is the value times 2^-126 (code 0.5
+# lands on a subnormal), which one multiply by the e8m0 scale times 2^126 finishes. Bit i of
+# pair j comes from the word rotated left by MX_WORD_ROTATE[j][i]: it is stored at
+# (MX_PAIR_BITS[i] + 16p - MX_WORD_ROTATE[j][i]) mod 32. Pairs 0-2 are one rotation (pair 0
+# none, pair 1 a plain shift) and one mask each, pair 3 two of each and an or: 9 operations a
+# word. No four turns of a pair's bits tile a word, so one rotation a pair cannot be had.
+MX_PAIR_BITS = (15, 8, 7, 6)  # e2m1's bits 3 (sign), 2 and 1 (exponent), 0 (mantissa), as bf16 bits
+MX_WORD_ROTATE = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (6, 14, 6, 6))
 MX_WORD_ROWS = 16  # rows whose 64-K chunks (8 words each) are stored together: 512 contiguous bytes
 MX_WORD_K = 64
 MX_WORD_MAX_SCALE = E8M0_BIAS + 1  # the decode's bf16 multiplier 2^(s - 1) holds s <= 128 (scales <= 2)
@@ -263,9 +267,10 @@ def _mx_word_view(shape: torch.Size, name: str) -> tuple[int, ...]:
     return (e, n // MX_WORD_ROWS, MX_WORD_ROWS, words * 8 // MX_WORD_K, MX_WORD_K // 8)
 
 
-def _mx_word_places() -> list[tuple[int, int, int, int, int]]:
-    """(h, q, p, sign bit, magnitude's lowest bit) of every value of a 32-K chunk's word."""
-    return [(h, q, p, MX_WORD_SIGN[q + 2 * h] + 16 * p, MX_WORD_MAG[q + 2 * h] + 16 * p)
+def _mx_word_places() -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(h, q, p, the word bits of e2m1 bits 3 .. 0) of every value of a 32-K chunk's word."""
+    return [(h, q, p, tuple((bit + 16 * p - turn) % 32 for bit, turn in zip(MX_PAIR_BITS, MX_WORD_ROTATE[q + 2 * h],
+                                                                          strict=True)))
             for h in range(2) for q in range(2) for p in range(2)]
 
 
@@ -274,9 +279,10 @@ def _codes_to_words(codes: torch.Tensor) -> torch.Tensor:
     e, n, k = codes.shape
     c = codes.view(e, n, k // 32, 2, 2, 4, 2)  # K = 32c + 16h + 8q + 2t + p
     word = torch.zeros(e, n, k // 32, 4, dtype=torch.int64, device=codes.device)
-    for h, q, p, sign, mag in _mx_word_places():
+    for h, q, p, places in _mx_word_places():
         v = c[:, :, :, h, q, :, p]
-        word |= ((v >> 3) << sign) | ((v & 7) << mag)
+        for i, place in enumerate(places):
+            word |= ((v >> (3 - i)) & 1) << place
     return (word - (word >> 31 << 32)).to(torch.int32).view(e, n, k // 8)
 
 
@@ -284,15 +290,16 @@ def _words_to_codes(words: torch.Tensor) -> torch.Tensor:
     """Inverse of _codes_to_words: int64 codes `[E, N, K]`."""
     e, n, count = words.shape
     w = words.to(torch.int64).view(e, n, count // 4, 4) & 0xFFFFFFFF
-    codes = torch.empty(e, n, count // 4, 2, 2, 4, 2, dtype=torch.int64, device=words.device)
-    for h, q, p, sign, mag in _mx_word_places():
-        codes[:, :, :, h, q, :, p] = (((w >> sign) & 1) << 3) | ((w >> mag) & 7)
+    codes = torch.zeros(e, n, count // 4, 2, 2, 4, 2, dtype=torch.int64, device=words.device)
+    for h, q, p, places in _mx_word_places():
+        for i, place in enumerate(places):
+            codes[:, :, :, h, q, :, p] |= ((w >> place) & 1) << (3 - i)
     return codes.view(e, n, count * 8)
 
 
 def mx_words(packed: torch.Tensor, name: str = "the weight") -> torch.Tensor:
     """Canonical mxfp4 `[E, N, K/2]` uint8 (low nibble even K) -> int32 `[E, N, K/8]` words (see
-    MX_WORD_SIGN), each 16 rows' 64-K chunks stored together: `[E, N/16, K/64, 16, 8]` in memory."""
+    MX_WORD_ROTATE), each 16 rows' 64-K chunks stored together: `[E, N/16, K/64, 16, 8]` in memory."""
     e, n, half = packed.shape
     view = _mx_word_view(torch.Size((e, n, half // 4)), name)
     out = torch.empty(e, n, half // 4, dtype=torch.int32, device=packed.device)

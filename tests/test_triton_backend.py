@@ -156,16 +156,20 @@ def test_mxfp4_is_recoded_into_words_for_bf16_on_nvidia_only(spec, platform, wor
 
 def _kernel_decode(words: torch.Tensor) -> torch.Tensor:
     """The kernels' decode of mx_words (_mx_word_offsets, _mx_decode) in torch, with scale 2^0:
-    each word's four bf16 pairs by one shift and mask (two for pairs 2 and 3), read as bf16
-    and times 2^126."""
+    each word's four bf16 pairs by one turn and mask (two for pair 3), read as bf16 and times
+    2^126."""
     e, n, count = words.shape
     k = count * 8
     r = torch.arange(n)[:, None]
     kw = torch.arange(count)[None, :]
     offsets = (r // 16) * (16 * count) + (kw // 8) * 128 + (r % 16) * 8 + kw % 8
     w = words.reshape(e, -1)[:, offsets].to(torch.int64) & 0xFFFFFFFF  # [E, N, K/8] in row order
-    both, sign, mag = 0x81C081C0, 0x80008000, 0x01C001C0
-    pairs = [w & both, (w << 3) & both, ((w << 2) & sign) | ((w << 6) & mag), ((w << 1) & sign) | ((w >> 3) & mag)]
+    both, exp_high = 0x81C081C0, 0x01000100
+
+    def turn(k: int) -> torch.Tensor:
+        return ((w << k) | (w >> (32 - k))) & 0xFFFFFFFF
+
+    pairs = [w & both, turn(4) & both, turn(10) & both, (turn(6) & (both - exp_high)) | (turn(14) & exp_high)]
     out = torch.empty(e, n, k // 32, 2, 2, 4, 2)  # K = 32c + 16h + 8q + 2t + p
     for j, pair in enumerate(pairs):
         for p in range(2):
@@ -504,6 +508,59 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, num_warps=8)))
     assert not uses(words, mx, sorted_mode=False)
     assert not uses(words, mx, target=GPUTarget("cuda", 89, 32))
+
+
+def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from moe_overlay.backends.triton_moe import launch
+
+    def gluon_downs(model, weights, tokens):
+        args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
+        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+                for d in c.down if d.gluon]
+
+    for tokens in (16, 1024, 8192):  # streamed, blocks of 16 to 64 rows, N tiles of two halves of whole wgmmas
+        offered = gluon_downs("Kimi-K3", "mxfp4", tokens)
+        assert offered and {m for m, _ in offered} <= set(configs.GLUON_MX_BLOCK_MS)
+        assert {(d.block_n, d.block_k, d.num_warps) for _, d in offered} == {(128, 64, 4), (256, 64, 4)}
+        assert all(d.n_split >= 1 for _, d in offered)
+    for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 8192), ("Kimi-K3", "mxfp4", 1)):
+        assert not gluon_downs(model, weights, tokens), (model, weights, tokens)  # format / tiny
+
+    down = configs.KernelConfig(128, 64, 4, 3, n_split=2, gluon=True)
+    config = configs.LaunchConfig(16, configs.KernelConfig(64, 64, 4, 3, gluon=True), down)
+    words = launch.Layer(configs.LayerShape(8, 512, 256, 2, "mxfp4"), mx_words=True)
+
+    hopper = GPUTarget("cuda", 90, 32)
+
+    def uses(layer, config, target=hopper):
+        return _on_target(target, launch.uses_gluon_down, layer, config)
+
+    def with_down(**changes):
+        return replace(config, down=replace(down, **changes))
+
+    compiled = isinstance(launch.kernels.down_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    assert uses(words, config) == compiled
+    for block_m in configs.GLUON_MX_BLOCK_MS:
+        assert uses(words, replace(config, block_m=block_m)) == compiled
+    assert uses(words, with_down(block_n=256, block_k=128, num_stages=2, n_split=5)) == compiled
+    assert not uses(launch.Layer(words.shape), config)  # packed bytes (ROCm's)
+    assert not uses(words, with_down(n_split=0))  # a program per tile: down_kernel's tiled walk
+    assert not uses(words, with_down(gluon=False))
+    assert not uses(words, with_down(block_n=64))  # halves of half a wgmma
+    assert not uses(words, with_down(block_n=384))  # H of 512 in tiles of 384
+    assert not uses(words, with_down(block_k=256))
+    assert not uses(words, with_down(num_stages=1))
+    assert not uses(words, with_down(num_warps=8))
+    assert not uses(words, replace(config, block_m=48))  # three row tiles
+    assert not uses(words, replace(config, block_m=128))
+    odd_i = launch.Layer(configs.LayerShape(8, 512, 320, 2, "mxfp4"), mx_words=True)
+    assert uses(odd_i, config) == compiled  # I of 5 K steps of 64
+    assert not uses(odd_i, with_down(block_k=128))  # 2.5 steps of 128
+    assert not uses(words, config, target=GPUTarget("cuda", 89, 32))
+    assert not uses(words, config, target=GPUTarget("hip", "gfx942", 64))
 
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
@@ -850,7 +907,7 @@ def test_resident_downs_for_small_intermediates_fit_the_chip_and_other_quantised
     assert all((configs.down_tile(m) + d.num_stages * d.block_n) * d.block_k * 2 <= 227 * 1024 for m, d in kimi)
     assert not any(d.n_split for _, d in downs("Mixtral"))  # I 1792: tiles already have enough K steps
     for name, weights in (("DeepSeek-V3", "fp8-block"), ("Kimi-K3", "mxfp4")):  # streamed: every tiled down split
-        quantised = downs(name, weights)
+        quantised = [(m, d) for m, d in downs(name, weights) if not d.gluon]  # Gluon's: their own test
         tiled = {(m, d) for m, d in quantised if not d.n_split}
         assert tiled and {(m, replace(d, n_split=0)) for m, d in quantised if d.n_split and not d.resident} == tiled
         assert {d.n_split for _, d in quantised if not d.resident} == {0, *STREAM_SPLITS}

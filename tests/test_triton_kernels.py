@@ -231,6 +231,41 @@ def test_gluon_mx_words_gate_up_equals_the_tl_kernel(spec, m, entry, tmp_path, m
     assert torch.equal(outs[0], outs[1])
 
 
+GLUON_MX_DOWNS = {  # (block_m, streamed down) of gluon_kernels' mx_words down
+    "16-rows-a-program-idle": (16, {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "n_split": 3}),
+    "32-rows-wide-tiles": (32, {"block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 4, "n_split": 1}),
+    "64-rows-two-chunks": (64, {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "n_split": 2}),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("m", [40, 300])
+@pytest.mark.parametrize("entry", GLUON_MX_DOWNS)
+def test_gluon_mx_words_down_equals_the_tl_kernel(spec, m, entry, tmp_path, monkeypatch):
+    """The same streamed mxfp4 down with and without `gluon` (gluon_kernels' mx_words down on
+    NVIDIA from sm_90, which must take it there; elsewhere both run kernels.down_kernel): N
+    tiles of two 64- or 128-row halves, K steps of one and two word chunks, a program left
+    without an N tile (4 tiles over 3 programs), the router weight on the output and on the
+    input: the same sums, so the same output, and the reference's within bf16's error."""
+    from moe_overlay.backends.triton_moe import launch
+
+    block_m, down = GLUON_MX_DOWNS[entry]
+    gate_up = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1, "gluon": True}
+    outs = []
+    for gluon in (False, True):
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {
+            str(m): {"block_m": block_m, "gate_up": gate_up, "down": {**down, "gluon": gluon}}}}}
+        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
+        prepared, out, _ = _check(spec, m, tol=1e-2)
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
+        assert launch.uses_gluon_down(layer, config) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
     mo.MoESpec(8, 384, 384, 2),  # three K steps, weight tiles through descriptors
     mo.MoESpec(8, 256, 200, 4, mo.Activation.situ(3.0, 9.0)),  # a last K step of 72: plain loads, masked

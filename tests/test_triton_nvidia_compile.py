@@ -239,8 +239,6 @@ def test_gluon_mx_words_gate_up_decodes_into_the_wgmma_operand_from_hopper_on(ar
     into theirs (kernels.gate_up_kernel converts its 1-byte scale tiles, through shared memory);
     nothing computed is stored to shared memory; a K step's gate and up wgmmas are both issued
     before its one wait (the `tl` kernel waits for each). Ada runs kernels.gate_up_kernel."""
-    from triton import knobs
-
     from moe_overlay.backends.triton_moe import gluon_kernels
 
     compiled = _compile(GLUON_MX_LAUNCHES, arch, device)
@@ -248,19 +246,50 @@ def test_gluon_mx_words_gate_up_decodes_into_the_wgmma_operand_from_hopper_on(ar
     assert len(gluon) == (3 if arch >= 90 else 0)
     assert len(compiled["gate_up_kernel"]) == (0 if arch >= 90 else 3)
     for kernel in gluon:
-        ir = kernel.asm["ttgir"]
-        assert len(re.findall(r"ttg\.local_load [^\n]*-> tensor<\d+x\d+x4xi32, #linear", ir)) == 2  # gate, up
-        assert not re.search(r"ttg\.convert_layout [^\n]*xi8,", ir)
-        assert not re.search(r"ttg\.local_alloc %", ir)
-        assert len(re.findall(r"warp_group_dot %\S+, %\S+, %\S+.*: tensor<\d+x\d+xbf16, #ttg\.dot_op<\{opIdx = 0",
-                              ir)) == 2
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
-        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x\d", sass) == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
-        assert sass.count("HGMMA") >= 8
+        _assert_two_decoded_dots_a_step(kernel)
+
+
+def _assert_two_decoded_dots_a_step(kernel) -> None:
+    """A compiled mx_words Gluon kernel: each K step's two word tiles load from shared memory
+    into the decode's layout, no 1-byte tile is converted, nothing computed is stored to shared
+    memory, both decoded tiles are wgmma's register operand, and one wait covers the step."""
+    from triton import knobs
+
+    ir = kernel.asm["ttgir"]
+    assert len(re.findall(r"ttg\.local_load [^\n]*-> tensor<\d+x\d+x4xi32, #linear", ir)) == 2
+    assert not re.search(r"ttg\.convert_layout [^\n]*xi8,", ir)
+    assert not re.search(r"ttg\.local_alloc %", ir)
+    assert len(re.findall(r"warp_group_dot %\S+, %\S+, %\S+.*: tensor<\d+x\d+xbf16, #ttg\.dot_op<\{opIdx = 0",
+                          ir)) == 2
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x\d", sass) == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert sass.count("HGMMA") >= 8
+
+
+GLUON_MX_DOWNS = {  # mx_words streamed downs, through gluon_kernels where the entry asks
+    f"{block_m} rows, {block_n} columns, K steps of {block_k}": (300, _config(
+        block_m, {"gluon": True}, {"block_n": block_n, "block_k": block_k, "n_split": 2, "gluon": True}))
+    for block_m, block_n, block_k in ((16, 256, 64), (64, 128, 128))
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 13), (89, DEVICE + 14)], ids=["sm_90", "sm_89"])
+def test_gluon_mx_words_down_decodes_into_the_wgmma_operand_from_hopper_on(arch, device):
+    """Hopper: the entry's streamed mx_words down is gluon_kernels' kernel (blocks of 16 and 64
+    rows, N tiles of two halves of one and two wgmmas, K steps of one and two word chunks), its
+    halves decoded as the gate/up's gate and up tiles are. Ada runs kernels.down_kernel."""
+    from moe_overlay.backends.triton_moe import gluon_kernels
+
+    compiled = _compile(GLUON_MX_DOWNS, arch, device)
+    gluon = list(gluon_kernels.down_mx_words_kernel.device_caches.get(device, ({},))[0].values())
+    assert len(gluon) == (2 if arch >= 90 else 0)
+    assert len(compiled["down_kernel"]) == (0 if arch >= 90 else 2)
+    for kernel in gluon:
+        _assert_two_decoded_dots_a_step(kernel)
 
 
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps

@@ -2,7 +2,7 @@
 
 The interpreter cannot run them as they are: it has no bf16 bit casts (the decode) and its bf16
 dot is wrong. Here the decode is replaced by the same values computed in fp32 arithmetic from
-the words' bit places (layout.MX_WORD_SIGN / MX_WORD_MAG) and the dot runs in fp32, so what is
+the words' bit places (layout.MX_PAIR_BITS / MX_WORD_ROTATE) and the dot runs in fp32, so what is
 checked is everything around them: which words each K step loads, the K splits, the row
 tiles sharing a decoded weight tile, the stores. The decode
 itself is checked bit for bit against a torch copy in tests/test_triton_backend.py, and the
@@ -18,7 +18,7 @@ from moe_overlay.backends.problems import random_input, random_routing, random_w
 from moe_overlay.backends.reference import reference_moe
 from moe_overlay.backends.triton_moe.bench import relative_error
 from moe_overlay.backends.triton_moe.configs import KernelConfig, LaunchConfig
-from moe_overlay.layout import MX_WORD_MAG, MX_WORD_SIGN, Layout, to_layout
+from moe_overlay.layout import MX_PAIR_BITS, MX_WORD_ROTATE, Layout, to_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
@@ -30,32 +30,42 @@ tl = pytest.importorskip("triton.language")
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 
 MX_GROUP = kernels.MX_GROUP
-# (sign bit, lowest magnitude bit) of each word's pairs 0-3, low halves; high halves are 16 up
-PLACES = tuple(zip(MX_WORD_SIGN, MX_WORD_MAG, strict=True))
-S0, M0 = tl.constexpr(PLACES[0][0]), tl.constexpr(PLACES[0][1])
-S1, M1 = tl.constexpr(PLACES[1][0]), tl.constexpr(PLACES[1][1])
-S2, M2 = tl.constexpr(PLACES[2][0]), tl.constexpr(PLACES[2][1])
-S3, M3 = tl.constexpr(PLACES[3][0]), tl.constexpr(PLACES[3][1])
+# the word bits of each pair's (sign, exponent bit 1, exponent bit 0, mantissa), low halves;
+# high halves are 16 up (mod 32)
+PLACES = tuple(tuple((bit - turn) % 32 for bit, turn in zip(MX_PAIR_BITS, turns, strict=True))
+               for turns in MX_WORD_ROTATE)
+P0 = tuple(tl.constexpr(b) for b in PLACES[0])
+P1 = tuple(tl.constexpr(b) for b in PLACES[1])
+P2 = tuple(tl.constexpr(b) for b in PLACES[2])
+P3 = tuple(tl.constexpr(b) for b in PLACES[3])
 
 
 @triton.jit
-def _value(words, SIGN: tl.constexpr, MAG: tl.constexpr, scale):
-    """The e2m1 value whose sign and 3-bit magnitude sit at those bits, times `scale`, as bf16."""
-    code = (words >> MAG) & 7
-    e = code >> 1
-    m = (code & 1).to(tl.float32)
+def _bit(words, PLACE: tl.constexpr, HIGH: tl.constexpr):
+    """Bit PLACE of each word (PLACE + 16 mod 32 for the high half), 0 or 1."""
+    return (words >> ((PLACE + 16 * HIGH) % 32)) & 1
+
+
+@triton.jit
+def _value(words, S: tl.constexpr, E1: tl.constexpr, E0: tl.constexpr, M: tl.constexpr, HIGH: tl.constexpr, scale):
+    """The e2m1 value whose sign, exponent and mantissa bits sit at those places, times `scale`, as fp32."""
+    e = _bit(words, E1, HIGH) * 2 + _bit(words, E0, HIGH)
+    m = _bit(words, M, HIGH).to(tl.float32)
     v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where(((words >> SIGN) & 1) == 1, -v, v) * scale
+    return tl.where(_bit(words, S, HIGH) == 1, -v, v) * scale
+
+
+@triton.jit
+def _pair(words, P: tl.constexpr, scale):
+    return tl.join(_value(words, P[0], P[1], P[2], P[3], 0, scale), _value(words, P[0], P[1], P[2], P[3], 1, scale))
 
 
 @triton.jit
 def _decode_in_arithmetic(words, scales):
     """kernels._mx_decode's result (same shape and K order) without bit casts."""
     scale = tl.broadcast_to(tl.exp2(scales.to(tl.float32) - 127.0)[:, :, None], words.shape)
-    half0 = tl.join(tl.join(_value(words, S0, M0, scale), _value(words, S0 + 16, M0 + 16, scale)),
-                    tl.join(_value(words, S1, M1, scale), _value(words, S1 + 16, M1 + 16, scale)))
-    half1 = tl.join(tl.join(_value(words, S2, M2, scale), _value(words, S2 + 16, M2 + 16, scale)),
-                    tl.join(_value(words, S3, M3, scale), _value(words, S3 + 16, M3 + 16, scale)))
+    half0 = tl.join(_pair(words, P0, scale), _pair(words, P1, scale))
+    half1 = tl.join(_pair(words, P2, scale), _pair(words, P3, scale))
     full = tl.permute(tl.join(half0, half1), (0, 1, 5, 4, 2, 3))
     return tl.reshape(full, [words.shape[0], words.shape[1] * MX_GROUP]).to(tl.bfloat16)
 

@@ -14,11 +14,12 @@ wgmma (C7514). So the K loop walks PASS steps a pass, unrolled, each pass waitin
 dot. Blocks of 64 rows, gate and up rows interleaved by the pointers into one tile (column 2n
 gate row n, 2n+1 up row n; the weights stay canonical).
 
-mx_words (gate_up_mx_words_kernel). The `tl` kernel's e8m0 scales reach the decode through
-shared memory (Triton lays their 1-byte load out apart from the words and converts), and it
-waits for each wgmma before decoding the next tile. Here the words load into the layout wgmma
-takes them in decoded (mx_words_layout), the scales straight into that layout a step ahead,
-and the up tile decodes while the gate's wgmma runs.
+mx_words (gate_up_mx_words_kernel, down_mx_words_kernel). The `tl` kernels' e8m0 scales reach
+the decode through shared memory (Triton lays their 1-byte load out apart from the words and
+converts), and they wait for each wgmma before decoding the next tile. Here the words load
+into the layout wgmma takes them in decoded (mx_words_layout), the scales straight into that
+layout a step ahead, and of a K step's two weight tiles (gate and up; a down N tile's two
+halves) the second decodes while the first's wgmma runs.
 
 Triton 3.6 and 3.9 name two calls differently: both are looked up once here.
 """
@@ -200,6 +201,20 @@ GROUP_WORDS: gl.constexpr = gl.constexpr(4)  # a row's words of one 32-K scale g
 CHUNK_GROUPS: gl.constexpr = gl.constexpr(MX_WORD_CHUNK.value // GROUP_WORDS.value)  # scale groups of a 64-K chunk
 
 
+A_BLK: gl.constexpr = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # mx kernels' activation copies
+OUT_LAYOUT: gl.constexpr = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # and their stores
+
+
+def mx_layouts(rows: int, block_m: int, block_k: int) -> dict[str, object]:
+    """The mx_words kernels' layouts for weight tiles of `rows` (gate, up or a down half),
+    blocks of `block_m` and K steps of `block_k` (one warpgroup): the words' copies (W_BLK),
+    their decode's (W_LAYOUT, mx_words_layout) and the wgmma's accumulator (MMA)."""
+    groups = block_k // MX_GROUP.value
+    return {"W_LAYOUT": mx_words_layout(rows, groups),
+            "W_BLK": gl.BlockedLayout([1, 1, GROUP_WORDS.value], [32 // groups, groups, 1], [4, 1, 1], [2, 1, 0]),
+            "MMA": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16])}
+
+
 def mx_words_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
     """`[rows, groups, 4]` mx_words of one K step where wgmma wants them decoded (4 warps, a
     warpgroup): a lane's word (row, c, t) decodes to exactly its bf16 A-operand registers
@@ -241,17 +256,51 @@ def _mx_decode(words, scales, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, slot, tokens, rows, w_offs, up_offs, k, k_steps, stride_xm,
-                  BLOCK_K: gl.constexpr, a_blk: gl.constexpr):
-    """Asynchronous copies of K step `k`'s activation rows and gate and up words into ring
-    slot `slot`, as one commit group (an empty one past the last step)."""
-    if k < k_steps:
-        offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_blk))
-        _async_load(a_smem.index(slot), x_ptr + tokens[:, None] * stride_xm + offs_k[None, :], mask=rows[:, None])
-        step = k * (BLOCK_K // (CHUNK_GROUPS * MX_GROUP)) * WORDS_PER_CHUNK
-        _async_load(g_smem.index(slot), w_ptr + w_offs + step)
-        _async_load(u_smem.index(slot), w_ptr + w_offs + up_offs + step)
+def _mx_copy_step(a_src, w_src, up_offs, a_smem, g_smem, u_smem, slot, rows, live):
+    """Asynchronous copies of one K step into ring slot `slot`, as one commit group (an empty
+    one when not `live`): the activation rows at `a_src` (zeros where not `rows`) and the
+    words at `w_src` and `w_src + up_offs` (gate and up, or a down tile's two halves)."""
+    if live:
+        _async_load(a_smem.index(slot), a_src, mask=rows[:, None])
+        _async_load(g_smem.index(slot), w_src)
+        _async_load(u_smem.index(slot), w_src + up_offs)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _mx_words_offsets(rows, words_per_row, C: gl.constexpr, w_blk: gl.constexpr):
+    """Offsets (in words, within an expert) of K step 0's `[rows, C, 4]` mx_words, laid out as
+    `w_blk`: mx_words keeps `[N/16, K/64, 16, 8]` words an expert (layout.mx_words)."""
+    wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_blk)))
+    wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
+    row_offs = (rows // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row) + (rows % MX_WORD_ROWS) * MX_WORD_CHUNK
+    group_offs = (wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS
+    return row_offs[:, None, None] + group_offs[None, :, None] + wt[None, None, :]
+
+
+@gluon.jit
+def _mx_ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The mx_words kernels' ring in shared memory: STAGES slots of BLOCK_M activation rows and
+    of two `[ROWS, C, 4]` word tiles (gate and up, or a down tile's two halves)."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16))
+    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    g_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
+    u_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
+    return a_smem, g_smem, u_smem
+
+
+@gluon.jit
+def _mx_two_dots(a_smem, g_smem, u_smem, slot, g_scales, u_scales, acc_g, acc_u, W_LAYOUT: gl.constexpr,
+                 a_op: gl.constexpr):
+    """One K step of ring slot `slot`: the first word tile decoded and its wgmma started, the
+    second decoded while it runs, both against the slot's activation rows; one wait."""
+    acts = a_smem.index(slot).permute((1, 0))
+    first = warpgroup_mma(_mx_decode(g_smem.index(slot).load(W_LAYOUT), g_scales, a_op), acts, acc_g, is_async=True)
+    second = warpgroup_mma(_mx_decode(u_smem.index(slot).load(W_LAYOUT), u_scales, a_op), acts, acc_u,
+                           is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(first, second))
 
 
 @gluon.jit(do_not_specialize=["num_blocks_m"])
@@ -260,7 +309,7 @@ def gate_up_mx_words_kernel(
     num_blocks_m, inter, hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_om, beta, linear_beta,
     WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
-    num_warps: gl.constexpr,
+    W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     """kernels.gate_up_kernel in sorted mode for mx_words with 16-bit activations: BLOCK_N gate
     and up weight rows a program, decoded each K step into wgmma's register operand (the weight
@@ -269,77 +318,143 @@ def gate_up_mx_words_kernel(
     a step ahead; the up tile decodes while the gate's wgmma runs. Programs walk (block, N
     tile) as kernels.gate_up_kernel does (GROUP_M blocks side by side)."""
     C: gl.constexpr = BLOCK_K // MX_GROUP
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    a_blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    w_blk: gl.constexpr = gl.BlockedLayout([1, 1, GROUP_WORDS], [32 // C, C, 1], [num_warps, 1, 1], [2, 1, 0])
+    STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
     pid_m, pid_n = _grid_position(gl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     count, expert, rows, tokens = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
-                                              top_k, BLOCK_M, gl.SliceLayout(1, a_blk))
+                                              top_k, BLOCK_M, gl.SliceLayout(1, A_BLK))
     if count <= 0:
         return
-    # word (row, c, t) of K step 0: mx_words keeps `[N/16, K/64, 16, 8]` words an expert
     words_per_row = hidden // 8
-    wr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_blk)))
-    wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_blk)))
-    wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
-    w_offs = (expert * stride_we + ((wr // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row)
-                                    + (wr % MX_WORD_ROWS) * MX_WORD_CHUNK)[:, None, None]
-              + ((wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS)[None, :, None]
-              + wt[None, None, :])
+    wr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
+    w_words = w_ptr + expert * stride_we + _mx_words_offsets(wr, words_per_row, C, W_BLK)
     up_offs = inter * words_per_row
     sr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
     s_ptrs = ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
     s_up = inter * stride_sn
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
+    a_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
 
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16))
-    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    g_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C, GROUP_WORDS], words_smem)
-    u_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C, GROUP_WORDS], words_smem)
+    a_smem, g_smem, u_smem = _mx_ring(STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
     k_steps = hidden // BLOCK_K
     for s in gl.static_range(STAGES - 1):
-        _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, s, tokens, rows, w_offs, up_offs, s, k_steps, stride_xm,
-                      BLOCK_K, a_blk)
-    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+        _mx_copy_step(a_rows + s * BLOCK_K, w_words + s * STEP_WORDS, up_offs, a_smem, g_smem, u_smem, s, rows,
+                      s < k_steps)
+    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     g_scales = gl.load(s_ptrs)
     u_scales = gl.load(s_ptrs + s_up)
     for k in range(k_steps):
         ahead = gl.minimum(k + 1, k_steps - 1) * C
         g_next = gl.load(s_ptrs + ahead)
         u_next = gl.load(s_ptrs + s_up + ahead)
-        async_copy.wait_group(STAGES - 2)  # step k's copies, every thread's, are in and visible to wgmma
-        _barrier()
-        fence_async_shared()
+        _landed(STAGES)
         # the slot step k - 1 used: every warp is past it (the barrier) and its wgmmas are done
-        _mx_load_step(x_ptr, w_ptr, a_smem, g_smem, u_smem, (k + STAGES - 1) % STAGES, tokens, rows, w_offs,
-                      up_offs, k + STAGES - 1, k_steps, stride_xm, BLOCK_K, a_blk)
-        slot = k % STAGES
-        acts = a_smem.index(slot).permute((1, 0))
-        gate = warpgroup_mma(_mx_decode(g_smem.index(slot).load(W_LAYOUT), g_scales, a_op), acts, acc_g,
-                             is_async=True)
-        up = warpgroup_mma(_mx_decode(u_smem.index(slot).load(W_LAYOUT), u_scales, a_op), acts, acc_u,
-                           is_async=True)
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+        load_k = k + STAGES - 1
+        _mx_copy_step(a_rows + load_k * BLOCK_K, w_words + load_k * STEP_WORDS, up_offs, a_smem, g_smem, u_smem,
+                      load_k % STAGES, rows, load_k < k_steps)
+        acc_g, acc_u = _mx_two_dots(a_smem, g_smem, u_smem, k % STAGES, g_scales, u_scales, acc_g, acc_u, W_LAYOUT,
+                                    a_op)
         g_scales = g_next
         u_scales = u_next
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
-    gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), out_layout)
-    up = gl.convert_layout(gl.permute(acc_u, (1, 0)), out_layout)
-    r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), OUT_LAYOUT)
+    up = gl.convert_layout(gl.permute(acc_u, (1, 0)), OUT_LAYOUT)
+    r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT_LAYOUT))
     if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W)
         routes = gl.load(sorted_ptr + pid_m * BLOCK_M + r_out, mask=r_out < count, other=0)
         weight = gl.load(topk_weights_ptr + routes, mask=r_out < count, other=0.0)[:, None]
         gate *= weight
         up *= weight
     out = _activate(gate, up, beta, linear_beta, ACTIVATION).to(out_ptr.dtype.element_ty)
-    c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
     ptrs = out_ptr + (pid_m * BLOCK_M + r_out)[:, None] * stride_om + c_out[None, :]
     gl.store(ptrs, out, mask=(r_out < count)[:, None])
+
+
+@gluon.jit
+def down_mx_words_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr, topk_weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
+    hidden, inter, stride_am, stride_we, stride_se, stride_sn, stride_om,
+    WEIGHT_ON_INPUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    N_SPLIT: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """kernels.down_kernel streamed, for mx_words with 16-bit activations: a program per block
+    and N_SPLIT-th of the N tiles, walking (N tile, K step) in one ring, so that the next
+    tile's copies are in flight while a tile is stored. Each N tile of BLOCK_N rows of H is
+    two halves of BLOCK_N / 2 rows, decoded and multiplied as gate_up_mx_words_kernel does its
+    gate and up tiles (the second half decoded while the first's wgmma runs); out[route, n] =
+    w_route * (a[row] @ w2[e]^T), or without the router weight where it went on the input."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    HALF: gl.constexpr = BLOCK_N // 2
+    STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
+    pid_m = gl.program_id(0) // N_SPLIT
+    # the block's routes (top_k 1: _block_rows' tokens are then the route ids)
+    count, expert, rows, _ = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, 1,
+                                         BLOCK_M, gl.SliceLayout(1, A_BLK))
+    tiles = hidden // BLOCK_N
+    per_program = gl.cdiv(tiles, N_SPLIT)
+    first = gl.program_id(0) % N_SPLIT * per_program
+    k_steps = inter // BLOCK_K
+    steps = gl.minimum(per_program, tiles - first) * k_steps
+    if gl.minimum(count, steps) <= 0:  # no routes, or no N tile left for this program
+        return
+    words_per_row = inter // 8
+    wr = first * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
+    w_words = w_ptr + expert * stride_we + _mx_words_offsets(wr, words_per_row, C, W_BLK)
+    half_offs = HALF * words_per_row
+    tile_words = BLOCK_N * words_per_row
+    sr = first * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
+    s_ptrs = ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
+    s_half = HALF * stride_sn
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
+    buffer_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_BLK))
+    a_rows = a_ptr + buffer_rows.to(gl.int64)[:, None] * stride_am + offs_k[None, :]
+    r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    routes = gl.load(sorted_ptr + pid_m * BLOCK_M + r_out, mask=r_out < count, other=0)
+    out_rows = out_ptr + routes.to(gl.int64)[:, None] * stride_om
+    if not WEIGHT_ON_INPUT:
+        route_weight = gl.load(topk_weights_ptr + routes, mask=r_out < count, other=0.0)[:, None]
+
+    a_smem, lo_smem, hi_smem = _mx_ring(STAGES, BLOCK_M, HALF, BLOCK_K)
+    for s in gl.static_range(STAGES - 1):
+        _mx_copy_step(a_rows + s % k_steps * BLOCK_K, w_words + s // k_steps * tile_words + s % k_steps * STEP_WORDS,
+                      half_offs, a_smem, lo_smem, hi_smem, s, rows, s < steps)
+    lo_scales = gl.load(s_ptrs)
+    hi_scales = gl.load(s_ptrs + s_half)
+    acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
+    acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
+    for step in range(steps):
+        ahead = gl.minimum(step + 1, steps - 1)
+        s_ahead = ahead // k_steps * BLOCK_N * stride_sn + ahead % k_steps * C
+        lo_next = gl.load(s_ptrs + s_ahead)
+        hi_next = gl.load(s_ptrs + s_half + s_ahead)
+        _landed(STAGES)
+        # the slot step - 1 used: every warp is past it (the barrier) and its wgmmas are done
+        load = step + STAGES - 1
+        _mx_copy_step(a_rows + load % k_steps * BLOCK_K, w_words + load // k_steps * tile_words
+                      + load % k_steps * STEP_WORDS, half_offs, a_smem, lo_smem, hi_smem, load % STAGES, rows,
+                      load < steps)
+        acc_lo, acc_hi = _mx_two_dots(a_smem, lo_smem, hi_smem, step % STAGES, lo_scales, hi_scales, acc_lo, acc_hi,
+                                      W_LAYOUT, a_op)
+        lo_scales = lo_next
+        hi_scales = hi_next
+        if step % k_steps == k_steps - 1:
+            n = (first + step // k_steps) * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT_LAYOUT))
+            lo = gl.convert_layout(gl.permute(acc_lo, (1, 0)), OUT_LAYOUT)
+            hi = gl.convert_layout(gl.permute(acc_hi, (1, 0)), OUT_LAYOUT)
+            if not WEIGHT_ON_INPUT:
+                lo *= route_weight
+                hi *= route_weight
+            gl.store(out_rows + n[None, :], lo.to(out_ptr.dtype.element_ty), mask=(r_out < count)[:, None])
+            gl.store(out_rows + HALF + n[None, :], hi.to(out_ptr.dtype.element_ty), mask=(r_out < count)[:, None])
+            acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
+            acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
 
 
 settle_cache_keys(globals())

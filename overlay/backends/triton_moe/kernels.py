@@ -369,7 +369,7 @@ def _mx_word_offsets(rows, k, cols, BLOCK_K: tl.constexpr):
 def _mx_decode(words, scales):
     """bf16 `[rows, BLOCK_K]` weights, K in order, of _mx_word_offsets' words times their e8m0
     `scales` (`[rows, BLOCK_K / 32]` uint8, at most 2^1: layout.MX_WORD_MAX_SCALE). A word's
-    four bf16 pairs are its bits shifted and masked into place (layout.MX_WORD_SIGN): e2m1's
+    four bf16 pairs are its bits turned and masked into place (layout.MX_WORD_ROTATE): e2m1's
     exponent in bf16's lowest exponent bits is the value times 2^-126 (code 0.5 a subnormal),
     which one multiply by 2^(s - 1), the scale times 2^126, makes exact. Each pair is scaled
     as a pair, one bf16x2 multiply for two weights (_bf16_pair)."""
@@ -377,7 +377,7 @@ def _mx_decode(words, scales):
     w0, w1, w2, w3 = _mx_pairs(words)
     p0 = _bf16_pair(w0, scale, False)
     p1 = _bf16_pair(w1, scale, False)
-    p2 = _bf16_pair(w2, scale, True)
+    p2 = _bf16_pair(w2, scale, False)
     p3 = _bf16_pair(w3, scale, True)
     # pair j = q + 2h, half p: [rows, C, T, P, Q, H] -> [rows, C, H, Q, T, P], K = 32c + 16h + 8q + 2t + p
     full = tl.permute(tl.join(tl.join(p0, p1), tl.join(p2, p3)), (0, 1, 5, 4, 2, 3))
@@ -387,13 +387,18 @@ def _mx_decode(words, scales):
 @triton.jit
 def _mx_pairs(words):
     """A word's four bf16 pairs, unscaled (each the values times 2^-126), as int32: pair j =
-    q + 2h holds K = 8q + 16h + 2t + p of the word's group (_mx_decode); the first two take a
-    shift and mask, the last two two of each (layout.MX_WORD_SIGN)."""
-    both: tl.constexpr = -0x7E3F7E40  # 0x81C081C0: sign and magnitude of both halves
-    sign: tl.constexpr = -0x7FFF8000  # 0x80008000
-    mag: tl.constexpr = 0x01C001C0
-    return (words & both, (words << 3) & both, ((words << 2) & sign) | ((words << 6) & mag),
-            ((words << 1) & sign) | ((words >> 3) & mag))
+    q + 2h holds K = 8q + 16h + 2t + p of the word's group (_mx_decode). The word turned left
+    by each of layout.MX_WORD_ROTATE's amounts and masked: pair 0 a mask, pair 1 a shift and
+    a mask, pair 2 a rotation and a mask, pair 3 a shift, a rotation and two masks."""
+    both: tl.constexpr = 0x81C081C0  # sign, the exponent's lowest two bits and the mantissa's top, both halves
+    exp_high: tl.constexpr = 0x01000100  # pair 3's exponent bit 1, of its second rotation
+    bits = words.to(tl.uint32, bitcast=True)
+    pair1 = (bits << 4) & both
+    pair2 = ((bits << 10) | (bits >> 22)) & both
+    pair3 = ((bits << 6) & (both - exp_high)) | (((bits << 14) | (bits >> 18)) & exp_high)
+    pair0 = bits & both
+    return (pair0.to(tl.int32, bitcast=True), pair1.to(tl.int32, bitcast=True), pair2.to(tl.int32, bitcast=True),
+            pair3.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -409,9 +414,11 @@ def _bf16_pair(word, scale, HIGH_FIRST: tl.constexpr):
     pair, so that LLVM makes one bf16x2 multiply of the word (scaling the halves apart left it
     pairing them up again by byte permutes; Kimi-K3 M=8192 down 1862 -> 1688 us on an H200).
     HIGH_FIRST builds the pair high half first and swaps it after the multiply, a register
-    renaming: for a word of two shifts LLVM orders the halves high first, and built low first
-    it swapped them before the multiply and back after (sm_90, Triton 3.6: 32 of a gate/up
-    step's 294 instructions, 11 left this way)."""
+    renaming: for a word of two turns (_mx_pairs' pair 3) LLVM orders the halves high first,
+    and built low first it swaps them before the multiply and back after. Chosen by compiling
+    for sm_90 (Triton 3.9): the `tl` down's K step at Kimi-K3 M=128 is 439 instructions with
+    pair 3 alone built high first, 449 to 461 with other choices; the one-token down's 322
+    against 331 to 343."""
     low = (word & 0xFFFF).to(tl.int16)
     high = (word >> 16).to(tl.int16)
     if HIGH_FIRST:

@@ -292,15 +292,30 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
 
 def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
     """Whether the gate/up runs one of gluon_kernels' kernels: the entry asks (the tuner times
-    both); sorted mode (`sorted_mode`; block fp8's activations quantised first); 4 warps; the
-    kernels compile for NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's Hopper
-    calls; and the kernel's own shape rules (_gluon_block_fp8_fits, _gluon_mx_words_fits).
-    Otherwise kernels.gate_up_kernel runs the same entry."""
+    both); sorted mode (`sorted_mode`; block fp8's activations quantised first); and what
+    _gluon_runs and the kernel's own shape rules (_gluon_block_fp8_fits, _gluon_mx_words_fits)
+    require. Otherwise kernels.gate_up_kernel runs the same entry."""
     cfg = config.gate_up
-    if not (cfg.gluon and sorted_mode and gluon_kernels is not None and cfg.num_warps == 4
-            and _compiles_for_hopper()):
+    if not (sorted_mode and _gluon_runs(cfg)):
         return False
-    return _gluon_mx_words_fits(layer, config) if layer.mx_words else _gluon_block_fp8_fits(layer, config)
+    if layer.mx_words:
+        return _gluon_mx_words_fits(config.block_m, cfg, layer.shape.inter, layer.shape.hidden, 1)
+    return _gluon_block_fp8_fits(layer, config)
+
+
+def uses_gluon_down(layer: Layer, config: LaunchConfig) -> bool:
+    """Whether the general down runs gluon_kernels.down_mx_words_kernel: the entry asks for a
+    streamed Gluon down, the weights are mx_words, _gluon_runs, and its N tiles are two halves
+    of whole 64-row wgmmas (_gluon_mx_words_fits). Otherwise kernels.down_kernel runs it."""
+    cfg = config.down
+    return (layer.mx_words and layer.shape.down_kind(cfg) == "streamed" and _gluon_runs(cfg)
+            and _gluon_mx_words_fits(config.block_m, cfg, layer.shape.hidden, layer.shape.inter, 2))
+
+
+def _gluon_runs(cfg: KernelConfig) -> bool:
+    """The entry asks for Gluon with the kernels' one warpgroup (4 warps), and they compile
+    here: NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's Hopper calls."""
+    return cfg.gluon and gluon_kernels is not None and cfg.num_warps == 4 and _compiles_for_hopper()
 
 
 def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:
@@ -314,13 +329,13 @@ def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:
             and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0)
 
 
-def _gluon_mx_words_fits(layer: Layer, config: LaunchConfig) -> bool:
-    """mx_words: blocks of 16 to 64 rows (the wgmma's N), N tiles of whole 64-row wgmmas that
-    divide I, K steps of one or two 64-K word chunks that divide H, two ring slots at least."""
-    cfg = config.gate_up
-    return (config.block_m in GLUON_MX_BLOCK_MS and cfg.block_n % gluon_kernels.MX_WGMMA_ROWS == 0
-            and layer.shape.inter % cfg.block_n == 0 and cfg.block_k in GLUON_MX_BLOCK_KS
-            and layer.shape.hidden % cfg.block_k == 0 and cfg.num_stages >= 2)
+def _gluon_mx_words_fits(block_m: int, cfg: KernelConfig, rows: int, cols: int, parts: int) -> bool:
+    """mx_words, weights of `rows` x `cols` (K): blocks of 16 to 64 rows (the wgmma's N); N
+    tiles of `parts` whole 64-row wgmmas each (the down's two halves) that divide the rows; K
+    steps of one or two 64-K word chunks that divide K; two ring slots at least."""
+    return (block_m in GLUON_MX_BLOCK_MS and cfg.block_n % (parts * gluon_kernels.MX_WGMMA_ROWS) == 0
+            and rows % cfg.block_n == 0 and cfg.block_k in GLUON_MX_BLOCK_KS and cols % cfg.block_k == 0
+            and cfg.num_stages >= 2)
 
 
 def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -338,7 +353,7 @@ def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w1
             layer.linear_beta,
             WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_M=config.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-            W_LAYOUT=gluon_kernels.mx_words_layout(cfg.block_n, cfg.block_k // kernels.MX_GROUP.value), num_warps=4,
+            **gluon_kernels.mx_layouts(cfg.block_n, config.block_m, cfg.block_k), num_warps=4,
         )
         return
     _launch(
@@ -432,7 +447,8 @@ def down(
 ) -> None:
     """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1).
     down_kernel a program per output tile; with n_split, the resident down (bf16/fp16, and block
-    fp8 where the entry says so) or down_kernel streamed."""
+    fp8 where the entry says so) or down_kernel streamed (mx_words: gluon_kernels' where the
+    entry says so, uses_gluon_down)."""
     cfg = config.down
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     a_fp8 = _quantise_first(w2, cfg.block_k)
@@ -452,6 +468,16 @@ def down(
             ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=weight_left(layer, cfg, tile_m),
             N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
+    if uses_gluon_down(layer, config):
+        _launch(
+            gluon_kernels.down_mx_words_kernel, (tiles_m * cfg.n_split,),
+            a, w2, scale, out, topk_weights, *rows, layer.shape.hidden, layer.shape.inter,
+            a.stride(0), w2.stride(0), stride_se, stride_sn, out.stride(0),
+            WEIGHT_ON_INPUT=layer.weight_on_input, BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            N_SPLIT=cfg.n_split, STAGES=cfg.num_stages,
+            **gluon_kernels.mx_layouts(cfg.block_n // 2, config.block_m, cfg.block_k), num_warps=4,
         )
         return
     fp8, fp8_max = _fp8_args(w2)

@@ -164,6 +164,14 @@ def gluon_mx_candidates() -> list[KernelConfig]:
     return [KernelConfig(n, 64, 4, stages, gluon=True) for n in (64, 128) for stages in (3, 4)]
 
 
+def gluon_mx_down_candidates() -> list[KernelConfig]:
+    """Streamed mx_words downs of gluon_kernels (4 warps, N tiles of two halves of one or two
+    64-row wgmmas, K steps of 64, 3 or 4 stages, 1 to 16 programs per block; NVIDIA sm_90+
+    with mx_words, launch.uses_gluon_down; elsewhere kernels.down_kernel runs them)."""
+    return [KernelConfig(n, 64, 4, stages, n_split=split, gluon=True) for n in (128, 256) for stages in (3, 4)
+            for split in (1, 2, 4, 8, 16)]
+
+
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
@@ -256,6 +264,7 @@ def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
             gate_ups += gluon_candidates()
         elif point.shape.weights == "mxfp4" and b in GLUON_MX_BLOCK_MS:
             gate_ups += gluon_mx_candidates()
+            downs += gluon_mx_down_candidates()
         cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
     return cands
 
