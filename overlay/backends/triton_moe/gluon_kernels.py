@@ -268,14 +268,20 @@ def _mx_copy_step(a_src, w_src, up_offs, a_smem, g_smem, u_smem, slot, rows, liv
 
 
 @gluon.jit
-def _mx_words_offsets(rows, words_per_row, C: gl.constexpr, w_blk: gl.constexpr):
-    """Offsets (in words, within an expert) of K step 0's `[rows, C, 4]` mx_words, laid out as
-    `w_blk`: mx_words keeps `[N/16, K/64, 16, 8]` words an expert (layout.mx_words)."""
-    wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_blk)))
-    wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_blk)))
-    row_offs = (rows // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row) + (rows % MX_WORD_ROWS) * MX_WORD_CHUNK
+def _mx_tile_ptrs(w_ptr, ws_ptr, expert, first_row, words_per_row, stride_we, stride_se, stride_sn,
+                  ROWS: gl.constexpr, C: gl.constexpr, W_BLK: gl.constexpr, s_layout: gl.constexpr):
+    """Pointers to K step 0's words of an expert's weight rows first_row .. + ROWS, `[ROWS, C,
+    4]` laid out as W_BLK (mx_words keeps `[N/16, K/64, 16, 8]` words an expert:
+    layout.mx_words), and to their e8m0 scales, `[ROWS, C]` laid out as `s_layout`."""
+    wr = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
+    wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_BLK)))
+    wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_BLK)))
+    row_offs = (wr // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row) + (wr % MX_WORD_ROWS) * MX_WORD_CHUNK
     group_offs = (wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS
-    return row_offs[:, None, None] + group_offs[None, :, None] + wt[None, None, :]
+    words = w_ptr + expert * stride_we + row_offs[:, None, None] + group_offs[None, :, None] + wt[None, None, :]
+    sr = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
+    return words, ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
 
 
 @gluon.jit
@@ -327,12 +333,9 @@ def gate_up_mx_words_kernel(
     if count <= 0:
         return
     words_per_row = hidden // 8
-    wr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
-    w_words = w_ptr + expert * stride_we + _mx_words_offsets(wr, words_per_row, C, W_BLK)
+    w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, pid_n * BLOCK_N, words_per_row, stride_we, stride_se,
+                                    stride_sn, BLOCK_N, C, W_BLK, s_layout)
     up_offs = inter * words_per_row
-    sr = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
-    s_ptrs = ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
     s_up = inter * stride_sn
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
     a_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
@@ -404,13 +407,10 @@ def down_mx_words_kernel(
     if gl.minimum(count, steps) <= 0:  # no routes, or no N tile left for this program
         return
     words_per_row = inter // 8
-    wr = first * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
-    w_words = w_ptr + expert * stride_we + _mx_words_offsets(wr, words_per_row, C, W_BLK)
+    w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, first * BLOCK_N, words_per_row, stride_we, stride_se,
+                                    stride_sn, HALF, C, W_BLK, s_layout)
     half_offs = HALF * words_per_row
     tile_words = BLOCK_N * words_per_row
-    sr = first * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
-    s_ptrs = ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
     s_half = HALF * stride_sn
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
     buffer_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_BLK))
