@@ -213,20 +213,30 @@ def test_gluon_mx_words_gate_up_equals_the_tl_kernel(spec, m, entry, tmp_path, m
     from sm_90, which must take it there; elsewhere both run kernels.gate_up_kernel): the same
     decoded weights and the same wgmma sums, so the same output, and the reference's within
     bf16's error."""
-    from moe_overlay.backends.triton_moe import launch
-
     block_m, gate_up = GLUON_MX_ENTRIES[entry]
     down = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, "gate_up", tmp_path, monkeypatch)
+
+
+def _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, monkeypatch):
+    """Runs the layer with `gemm`'s entry ("gate_up" or "down") without and with `gluon`: on
+    NVIDIA from sm_90 launch must take gluon_kernels' kernel when asked (elsewhere both run the
+    `tl` kernel); each output within bf16's error of the reference, and the two equal."""
+    from moe_overlay.backends.triton_moe import launch
+
+    uses = {"gate_up": lambda layer, config: launch.uses_gluon(layer, config, True),
+            "down": launch.uses_gluon_down}[gemm]
     outs = []
     for gluon in (False, True):
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {
-            str(m): {"block_m": block_m, "gate_up": {**gate_up, "gluon": gluon}, "down": down}}}}
+        entry = {"block_m": block_m, "gate_up": gate_up, "down": down}
+        entry[gemm] = {**entry[gemm], "gluon": gluon}
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
         prepared, out, _ = _check(spec, m, tol=1e-2)
         config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
         layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
-        assert launch.uses_gluon(layer, config, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        assert uses(layer, config) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
@@ -248,22 +258,9 @@ def test_gluon_mx_words_down_equals_the_tl_kernel(spec, m, entry, tmp_path, monk
     tiles of two 64- or 128-row halves, K steps of one and two word chunks, a program left
     without an N tile (4 tiles over 3 programs), the router weight on the output and on the
     input: the same sums, so the same output, and the reference's within bf16's error."""
-    from moe_overlay.backends.triton_moe import launch
-
     block_m, down = GLUON_MX_DOWNS[entry]
     gate_up = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1, "gluon": True}
-    outs = []
-    for gluon in (False, True):
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {
-            str(m): {"block_m": block_m, "gate_up": gate_up, "down": {**down, "gluon": gluon}}}}}
-        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
-        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
-        prepared, out, _ = _check(spec, m, tol=1e-2)
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
-        assert launch.uses_gluon_down(layer, config) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, "down", tmp_path, monkeypatch)
 
 
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
