@@ -456,12 +456,18 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     assert offered and all(m == configs.GLUON_BLOCK_M and g.num_warps == 4 for m, g in offered)
     assert {g.block_n for _, g in offered} == {64}
     for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 1024), ("Maverick", "fp8-channel-token", 8192),
-                                   ("DeepSeek-V3", "bf16", 8192), ("Kimi-K3", "mxfp4", 1)):
+                                   ("DeepSeek-V3", "bf16", 8192), ("DeepSeek-V3", "fp8-block", 1)):
         assert not gluon_gate_ups(model, weights, tokens), (model, weights, tokens)  # no block of 64 / format / tiny
     for tokens in (16, 1024, 8192):  # mxfp4: blocks of 16 to 64 rows (the wgmma's N), N tiles of whole wgmmas
         offered = gluon_gate_ups("Kimi-K3", "mxfp4", tokens)
         assert offered and {m for m, _ in offered} <= set(configs.GLUON_MX_BLOCK_MS)
         assert {(g.block_n, g.block_k, g.num_warps) for _, g in offered} == {(64, 64, 4), (128, 64, 4)}
+    # mxfp4 tiny mode: K splits that share Kimi-K3's 56 (or 28) K steps evenly, and no others
+    offered = gluon_gate_ups("Kimi-K3", "mxfp4", 1)
+    assert {m for m, _ in offered} == {configs.TINY_ROUTES}
+    assert {(g.block_k, g.split_k) for _, g in offered} == {(64, s) for s in (1, 2, 4, 7, 8, 14)} | {
+        (128, s) for s in (1, 2, 4, 7, 14)}
+    assert {(g.block_n, g.num_warps) for _, g in offered} == {(64, 4), (128, 4)}
 
     entry = {"block_m": 64, "gate_up": {**_entry(64)["gate_up"], "block_k": 128, "gluon": True},
              "down": _entry(64)["down"]}
@@ -473,15 +479,16 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
 
     hopper = GPUTarget("cuda", 90, 32)
 
-    def uses(layer, config, sorted_mode=True, target=hopper):
-        return _on_target(target, launch.uses_gluon, layer, config, sorted_mode)
+    def uses(layer, config, tiny=False, target=hopper):
+        return _on_target(target, launch.uses_gluon, layer, config, tiny, not tiny)  # block fp8: quantised first
 
     layer = launch.Layer(shapes[2], granularity="block")
     compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
     assert uses(layer, block) == compiled
     assert uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=32))) == compiled
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=256)))  # two scale blocks
-    assert not uses(layer, block, sorted_mode=False)  # tiny mode
+    assert not uses(layer, block, tiny=True)
+    assert not _on_target(hopper, launch.uses_gluon, layer, block, False, False)  # activations not quantised first
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, gluon=False)))
     assert not uses(layer, replace(block, block_m=32))
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_warps=8)))
@@ -506,7 +513,12 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     assert not uses(launch.Layer(configs.LayerShape(8, 576, 256, 2, "mxfp4"), mx_words=True), mx)  # H of 4.5 steps
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, num_stages=1)))
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, num_warps=8)))
-    assert not uses(words, mx, sorted_mode=False)
+    # tiny mode: when the K split shares the K steps (512 / 128: 4) evenly, and not as a gemv
+    for split in (1, 2, 4):
+        assert uses(words, replace(mx, gate_up=replace(mx.gate_up, split_k=split)), tiny=True) == compiled
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, split_k=3)), tiny=True)
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, split_k=8)), tiny=True)
+    assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, gemv=True)), tiny=True)
     assert not uses(words, mx, target=GPUTarget("cuda", 89, 32))
 
 

@@ -191,7 +191,7 @@ def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, block_n, tmp_path
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
         config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
         layer = launch.Layer(LayerShape.of(spec), granularity="block")
-        assert launch.uses_gluon(layer, config, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        assert launch.uses_gluon(layer, config, False, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
         outs.append(_check(spec, m, tol=2e-2)[1])
     assert torch.equal(outs[0], outs[1])
 
@@ -219,17 +219,19 @@ def test_gluon_mx_words_gate_up_equals_the_tl_kernel(spec, m, entry, tmp_path, m
 
 
 def _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, monkeypatch):
-    """Runs the layer with `gemm`'s entry ("gate_up" or "down") without and with `gluon`: on
+    """Runs the layer with `gemm`'s entry ("gate_up", "tiny_gate_up" or "down") without and with `gluon`: on
     NVIDIA from sm_90 launch must take gluon_kernels' kernel when asked (elsewhere both run the
     `tl` kernel); each output within bf16's error of the reference, and the two equal."""
     from moe_overlay.backends.triton_moe import launch
 
-    uses = {"gate_up": lambda layer, config: launch.uses_gluon(layer, config, True),
+    uses = {"gate_up": lambda layer, config: launch.uses_gluon(layer, config, False, False),
+            "tiny_gate_up": lambda layer, config: launch.uses_gluon(layer, config, True, False),
             "down": launch.uses_gluon_down}[gemm]
+    key = gemm.removeprefix("tiny_")
     outs = []
     for gluon in (False, True):
         entry = {"block_m": block_m, "gate_up": gate_up, "down": down}
-        entry[gemm] = {**entry[gemm], "gluon": gluon}
+        entry[key] = {**entry[key], "gluon": gluon}
         table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
@@ -261,6 +263,30 @@ def test_gluon_mx_words_down_equals_the_tl_kernel(spec, m, entry, tmp_path, monk
     block_m, down = GLUON_MX_DOWNS[entry]
     gate_up = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1, "gluon": True}
     _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, "down", tmp_path, monkeypatch)
+
+
+GLUON_MX_TINY = {  # (gate/up, down) of tiny mode with gluon_kernels' mx_words gate/up
+    "split-2": ({"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 2},
+                {"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1, "split_k": 2}),
+    "unsplit-two-wgmmas-pdl": ({"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4, "split_k": 1},
+                               {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 1, "pdl": True}),
+    "a-step-a-split-two-chunks": ({"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2, "split_k": 4},
+                                  {"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1, "split_k": 1}),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("tokens", ["one", "sixteen-routes"])
+@pytest.mark.parametrize("entry", GLUON_MX_TINY)
+def test_gluon_mx_words_tiny_gate_up_equals_the_tl_kernel(spec, tokens, entry, tmp_path, monkeypatch):
+    """Tiny mode's mxfp4 gate/up with and without `gluon` (gluon_kernels' tiny mx_words kernel
+    on NVIDIA from sm_90, which must take it there; elsewhere both run kernels.gate_up_kernel):
+    one token, and 16 routes (several to one expert: one program takes them all), K split 1,
+    2 and 4 ways (one K step a split), N tiles of one and two wgmmas, PDL: the same output."""
+    gate_up, down = GLUON_MX_TINY[entry]
+    m = 1 if tokens == "one" else 16 // spec.top_k
+    _equal_with_and_without_gluon(spec, m, 16, gate_up, down, "tiny_gate_up", tmp_path, monkeypatch)
 
 
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (

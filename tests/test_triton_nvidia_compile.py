@@ -292,6 +292,32 @@ def test_gluon_mx_words_down_decodes_into_the_wgmma_operand_from_hopper_on(arch,
         _assert_two_decoded_dots_a_step(kernel)
 
 
+GLUON_MX_TINY = {  # tiny mode's mx_words gate/ups through gluon_kernels: one token with PDL, 8 routes unchained
+    "one token, K split 4, PDL": (1, _config(16, {"block_n": 64, "block_k": 64, "split_k": 4, "gluon": True},
+                                             {"block_n": 16, "block_k": 128, "num_stages": 1, "pdl": True})),
+    "four tokens, N tiles of two wgmmas, K split 2": (4, _config(
+        16, {"block_n": 128, "block_k": 128, "split_k": 2, "gluon": True}, {"block_n": 16, "num_stages": 1})),
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 15), (89, DEVICE + 16)], ids=["sm_90", "sm_89"])
+def test_gluon_mx_words_tiny_gate_up_decodes_into_the_wgmma_operand_from_hopper_on(arch, device):
+    """Hopper: tiny mode's mx_words gate/up is gluon_kernels' tiny kernel where the entry asks,
+    its K steps as the sorted kernel's (two decoded wgmma operands, one wait); each program
+    counts itself in on its tile (an atomic add) and, where the down's entry asks for PDL, lets
+    the down start. Ada runs kernels.gate_up_kernel."""
+    from moe_overlay.backends.triton_moe import gluon_kernels
+
+    compiled = _compile(GLUON_MX_TINY, arch, device)
+    gluon = list(gluon_kernels.gate_up_mx_words_tiny_kernel.device_caches.get(device, ({},))[0].values())
+    assert len(gluon) == (2 if arch >= 90 else 0)
+    assert len(compiled["gate_up_kernel"]) == (0 if arch >= 90 else 2)
+    assert sorted("griddepcontrol.launch_dependents" in k.asm["ptx"] for k in gluon) == ([False, True] if gluon else [])
+    for kernel in gluon:
+        _assert_two_decoded_dots_a_step(kernel)
+        assert re.search(r"atom\.[^\n]*add", kernel.asm["ptx"])
+
+
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
 RESIDENT_LAUNCHES = {  # block-fp8 resident downs: 64-row tiles through descriptors or plain loads; 32-row weight-left
     "64 rows, descriptors": (300, _config(64, {"block_k": 128}, {"block_k": 128, "n_split": 1, "resident": True,

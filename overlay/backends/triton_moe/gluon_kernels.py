@@ -43,8 +43,11 @@ from .kernels import (
     SCALE_BLOCK,
     _activate,
     _grid_position,
+    _let_next_start,
+    _local_expert,
     _mx_pairs,
     _mx_scale_bits,
+    _tiny_store,
     settle_cache_keys,
 )
 
@@ -241,12 +244,21 @@ def _bf16_halves(pair):
 
 
 @gluon.jit
-def _mx_decode(words, scales, a_layout: gl.constexpr):
-    """`[rows, C, 4]` words (mx_words_layout) and their `[rows, C]` e8m0 scales -> the bf16
-    `[rows, 32C]` weight tile, K in order, as wgmma's register operand `a_layout`; the
+def _mx_scales(ptrs):
+    """The e8m0 scales at `ptrs` as the bf16x2 multipliers _mx_decode takes (int32, both halves
+    _mx_scale_bits' 2^(s - 1)), converted as they load: carried to the next step as 32-bit
+    words, not as bytes that each step would insert into a register and mask again (two
+    integer operations a scale)."""
+    bits = _mx_scale_bits(gl.load(ptrs))
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _mx_decode(words, scale2, a_layout: gl.constexpr):
+    """`[rows, C, 4]` words (mx_words_layout) and their `[rows, C]` scales (_mx_scales) -> the
+    bf16 `[rows, 32C]` weight tile, K in order, as wgmma's register operand `a_layout`; the
     conversion is asserted to move no data."""
-    bits = _mx_scale_bits(scales)
-    scale2 = gl.expand_dims(bits | (bits << 16), 2)
+    scale2 = gl.expand_dims(scale2, 2)
     p0, p1, p2, p3 = _mx_pairs(words)
     full = gl.join(gl.join(_bf16_halves(_bf16x2_mul(p0, scale2)), _bf16_halves(_bf16x2_mul(p1, scale2))),
                    gl.join(_bf16_halves(_bf16x2_mul(p2, scale2)), _bf16_halves(_bf16x2_mul(p3, scale2))))
@@ -309,6 +321,61 @@ def _mx_two_dots(a_smem, g_smem, u_smem, slot, g_scales, u_scales, acc_g, acc_u,
     return warpgroup_mma_wait(num_outstanding=0, deps=(first, second))
 
 
+@gluon.jit
+def _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, tokens, inter, hidden, stride_xm, stride_we, stride_se,
+                     stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, W_BLK: gl.constexpr,
+                     W_LAYOUT: gl.constexpr):
+    """K step 0's words and scales of an expert's gate rows pid_n * BLOCK_N .. + BLOCK_N
+    (_mx_tile_ptrs), the offsets of the up rows' (words, scales), and the activation rows of
+    `tokens` (laid out as A_BLK's rows)."""
+    words_per_row = hidden // 8
+    w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, pid_n * BLOCK_N, words_per_row, stride_we, stride_se,
+                                    stride_sn, BLOCK_N, BLOCK_K // MX_GROUP, W_BLK, gl.SliceLayout(2, W_LAYOUT))
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
+    a_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+    return w_words, s_ptrs, inter * words_per_row, inter * stride_sn, a_rows
+
+
+@gluon.jit
+def _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, k_first, k_steps, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
+                     MMA: gl.constexpr):
+    """The gate's and the up's fp32 sums, `[BLOCK_N, BLOCK_M]` laid out as MMA, over K steps
+    k_first .. k_first + k_steps (one at least) of the activation rows at `a_rows` (zeros
+    where not `rows`) against the words at `w_words` and `w_words + up_offs`, their scales at
+    `s_ptrs` and `s_ptrs + s_up` (pointers of K step 0). A ring of STAGES slots, STAGES - 1
+    steps in flight; the scales load straight into W_LAYOUT a step ahead; the up tile decodes
+    while the gate's wgmma runs (_mx_two_dots)."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    a_rows += k_first * BLOCK_K
+    w_words += k_first * STEP_WORDS
+    s_ptrs += k_first * C
+    a_smem, g_smem, u_smem = _mx_ring(STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
+    for s in gl.static_range(STAGES - 1):
+        _mx_copy_step(a_rows + s * BLOCK_K, w_words + s * STEP_WORDS, up_offs, a_smem, g_smem, u_smem, s, rows,
+                      s < k_steps)
+    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    g_scales = _mx_scales(s_ptrs)
+    u_scales = _mx_scales(s_ptrs + s_up)
+    for k in range(k_steps):
+        ahead = gl.minimum(k + 1, k_steps - 1) * C
+        g_next = _mx_scales(s_ptrs + ahead)
+        u_next = _mx_scales(s_ptrs + s_up + ahead)
+        _landed(STAGES)
+        # the slot step k - 1 used: every warp is past it (the barrier) and its wgmmas are done
+        load_k = k + STAGES - 1
+        _mx_copy_step(a_rows + load_k * BLOCK_K, w_words + load_k * STEP_WORDS, up_offs, a_smem, g_smem, u_smem,
+                      load_k % STAGES, rows, load_k < k_steps)
+        acc_g, acc_u = _mx_two_dots(a_smem, g_smem, u_smem, k % STAGES, g_scales, u_scales, acc_g, acc_u, W_LAYOUT,
+                                    a_op)
+        g_scales = g_next
+        u_scales = u_next
+    return acc_g, acc_u
+
+
 @gluon.jit(do_not_specialize=["num_blocks_m"])
 def gate_up_mx_words_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, topk_weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
@@ -323,45 +390,16 @@ def gate_up_mx_words_kernel(
     The e8m0 scales load straight into the words' register layout (W_LAYOUT, mx_words_layout),
     a step ahead; the up tile decodes while the gate's wgmma runs. Programs walk (block, N
     tile) as kernels.gate_up_kernel does (GROUP_M blocks side by side)."""
-    C: gl.constexpr = BLOCK_K // MX_GROUP
-    STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
     pid_m, pid_n = _grid_position(gl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     count, expert, rows, tokens = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
                                               top_k, BLOCK_M, gl.SliceLayout(1, A_BLK))
     if count <= 0:
         return
-    words_per_row = hidden // 8
-    w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, pid_n * BLOCK_N, words_per_row, stride_we, stride_se,
-                                    stride_sn, BLOCK_N, C, W_BLK, s_layout)
-    up_offs = inter * words_per_row
-    s_up = inter * stride_sn
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
-    a_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
-
-    a_smem, g_smem, u_smem = _mx_ring(STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
-    k_steps = hidden // BLOCK_K
-    for s in gl.static_range(STAGES - 1):
-        _mx_copy_step(a_rows + s * BLOCK_K, w_words + s * STEP_WORDS, up_offs, a_smem, g_smem, u_smem, s, rows,
-                      s < k_steps)
-    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    g_scales = gl.load(s_ptrs)
-    u_scales = gl.load(s_ptrs + s_up)
-    for k in range(k_steps):
-        ahead = gl.minimum(k + 1, k_steps - 1) * C
-        g_next = gl.load(s_ptrs + ahead)
-        u_next = gl.load(s_ptrs + s_up + ahead)
-        _landed(STAGES)
-        # the slot step k - 1 used: every warp is past it (the barrier) and its wgmmas are done
-        load_k = k + STAGES - 1
-        _mx_copy_step(a_rows + load_k * BLOCK_K, w_words + load_k * STEP_WORDS, up_offs, a_smem, g_smem, u_smem,
-                      load_k % STAGES, rows, load_k < k_steps)
-        acc_g, acc_u = _mx_two_dots(a_smem, g_smem, u_smem, k % STAGES, g_scales, u_scales, acc_g, acc_u, W_LAYOUT,
-                                    a_op)
-        g_scales = g_next
-        u_scales = u_next
+    w_words, s_ptrs, up_offs, s_up, a_rows = _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, tokens, inter,
+                                                              hidden, stride_xm, stride_we, stride_se, stride_sn,
+                                                              BLOCK_N, BLOCK_K, W_BLK, W_LAYOUT)
+    acc_g, acc_u = _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, 0, hidden // BLOCK_K, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, STAGES, W_LAYOUT, MMA)
     gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), OUT_LAYOUT)
     up = gl.convert_layout(gl.permute(acc_u, (1, 0)), OUT_LAYOUT)
     r_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT_LAYOUT))
@@ -374,6 +412,62 @@ def gate_up_mx_words_kernel(
     c_out = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
     ptrs = out_ptr + (pid_m * BLOCK_M + r_out)[:, None] * stride_om + c_out[None, :]
     gl.store(ptrs, out, mask=(r_out < count)[:, None])
+
+
+@gluon.jit(do_not_specialize=["num_routes"])
+def gate_up_mx_words_tiny_kernel(
+    x_ptr, w_ptr, ws_ptr, partial_ptr, act_ptr, counts_ptr, topk_weights_ptr, ids_ptr, map_ptr, num_routes, inter,
+    hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_ps, beta, linear_beta,
+    HAS_MAP: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, PDL: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
+    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+):
+    """kernels.gate_up_kernel in tiny mode for mx_words with 16-bit activations: no sort; the
+    program of route slot s (program_id(0): slot, then N tile) takes every route of slot s's
+    expert as a row, and only the first such slot runs (kernels._tiny_rows). Its K steps are
+    the program_id(1)-th of SPLIT_K equal parts, run as gate_up_mx_words_kernel runs a block
+    (_mx_gate_up_sums); the sums reach the fp32 activation `act [routes, I]` through
+    kernels._tiny_store (the last split to arrive adds the partials up). PDL: the down may
+    launch once every program here has started (kernels._let_next_start)."""
+    _let_next_start(PDL)
+    num_n = inter // BLOCK_N
+    slot = gl.program_id(0) // num_n
+    pid_n = gl.program_id(0) % num_n
+    expert, rows, routes = _tiny_slot_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M,
+                                           gl.SliceLayout(1, A_BLK))
+    if expert < 0:
+        return
+    w_words, s_ptrs, up_offs, s_up, a_rows = _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, routes // top_k,
+                                                              inter, hidden, stride_xm, stride_we, stride_se,
+                                                              stride_sn, BLOCK_N, BLOCK_K, W_BLK, W_LAYOUT)
+    k_steps = hidden // BLOCK_K // SPLIT_K
+    acc_g, acc_u = _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, gl.program_id(1) * k_steps, k_steps,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, W_LAYOUT, MMA)
+    gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), OUT_LAYOUT)
+    up = gl.convert_layout(gl.permute(acc_u, (1, 0)), OUT_LAYOUT)
+    _, rows_o, routes_o = _tiny_slot_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP, BLOCK_M,
+                                          gl.SliceLayout(1, OUT_LAYOUT))
+    if WEIGHT_ON_INPUT:  # (w * x) @ W == w * (x @ W)
+        weight = gl.load(topk_weights_ptr + routes_o, mask=rows_o, other=0.0)[:, None]
+        gate *= weight
+        up *= weight
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
+    _tiny_store(gate, up, routes_o, rows_o[:, None] & (offs_n < inter)[None, :], offs_n, partial_ptr, act_ptr,
+                counts_ptr, inter, stride_ps, beta, linear_beta, ACTIVATION, SPLIT_K)
+
+
+@gluon.jit
+def _tiny_slot_rows(slot, ids_ptr, map_ptr, num_routes, HAS_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    layout: gl.constexpr):
+    """kernels._tiny_rows laid out as `layout`: the expert of route slot `slot` (-1 unless
+    `slot` is the first route that goes to it), which of the BLOCK_M routes go to it, and
+    the routes' ids."""
+    offs = gl.arange(0, BLOCK_M, layout=layout)
+    local = _local_expert(ids_ptr, map_ptr, offs, offs < num_routes, HAS_MAP)
+    expert = _local_expert(ids_ptr, map_ptr, slot, slot < num_routes, HAS_MAP)
+    rows = (local == expert) & (local >= 0)
+    first = gl.min(gl.where(rows, offs, BLOCK_M), 0)
+    return gl.where(first == slot, expert, -1).to(gl.int64), rows, offs
 
 
 @gluon.jit
@@ -425,15 +519,15 @@ def down_mx_words_kernel(
     for s in gl.static_range(STAGES - 1):
         _mx_copy_step(a_rows + s % k_steps * BLOCK_K, w_words + s // k_steps * tile_words + s % k_steps * STEP_WORDS,
                       half_offs, a_smem, lo_smem, hi_smem, s, rows, s < steps)
-    lo_scales = gl.load(s_ptrs)
-    hi_scales = gl.load(s_ptrs + s_half)
+    lo_scales = _mx_scales(s_ptrs)
+    hi_scales = _mx_scales(s_ptrs + s_half)
     acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
     acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
     for step in range(steps):
         ahead = gl.minimum(step + 1, steps - 1)
         s_ahead = ahead // k_steps * BLOCK_N * stride_sn + ahead % k_steps * C
-        lo_next = gl.load(s_ptrs + s_ahead)
-        hi_next = gl.load(s_ptrs + s_half + s_ahead)
+        lo_next = _mx_scales(s_ptrs + s_ahead)
+        hi_next = _mx_scales(s_ptrs + s_half + s_ahead)
         _landed(STAGES)
         # the slot step - 1 used: every warp is past it (the barrier) and its wgmmas are done
         load = step + STAGES - 1

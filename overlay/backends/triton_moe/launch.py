@@ -290,17 +290,20 @@ def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
     return cfg.weight_left and layer.shape.fp8 and rows < 64 and _compiles_for_hopper()
 
 
-def uses_gluon(layer: Layer, config: LaunchConfig, sorted_mode: bool) -> bool:
+def uses_gluon(layer: Layer, config: LaunchConfig, tiny: bool, a_fp8: bool) -> bool:
     """Whether the gate/up runs one of gluon_kernels' kernels: the entry asks (the tuner times
-    both); sorted mode (`sorted_mode`; block fp8's activations quantised first); and what
-    _gluon_runs and the kernel's own shape rules (_gluon_block_fp8_fits, _gluon_mx_words_fits)
-    require. Otherwise kernels.gate_up_kernel runs the same entry."""
+    both) and _gluon_runs; mx_words in sorted mode or in tiny mode (`tiny`), whose K split
+    shares the K steps evenly; block fp8 in sorted mode with its activations quantised first
+    (`a_fp8`); and the kernel's own shape rules (_gluon_mx_words_fits, _gluon_block_fp8_fits).
+    Otherwise kernels.gate_up_kernel (or, where the entry says gemv, the gemv) runs it."""
     cfg = config.gate_up
-    if not (sorted_mode and _gluon_runs(cfg)):
+    if not _gluon_runs(cfg) or cfg.gemv:
         return False
     if layer.mx_words:
-        return _gluon_mx_words_fits(config.block_m, cfg, layer.shape.inter, layer.shape.hidden, 1)
-    return _gluon_block_fp8_fits(layer, config)
+        steps = layer.shape.hidden // cfg.block_k
+        return (_gluon_mx_words_fits(config.block_m, cfg, layer.shape.inter, layer.shape.hidden, 1)
+                and (not tiny or steps % cfg.split_k == 0))
+    return not tiny and a_fp8 and _gluon_block_fp8_fits(layer, config)
 
 
 def uses_gluon_down(layer: Layer, config: LaunchConfig) -> bool:
@@ -380,6 +383,9 @@ def gate_up(
     if tiny and cfg.gemv:
         _gate_up_gemv(x, w13, w13_scale, topk_weights, ids, expert_map, layer, cfg, out, uses_pdl(config))
         return
+    if tiny and uses_gluon(layer, config, True, False):
+        _gate_up_gluon_tiny(x, w13, w13_scale, topk_weights, ids, expert_map, layer, config, out)
+        return
     num_blocks = ids.numel() if tiny else alignment.num_blocks
     sorted_args = (ids, ids, ids, ids) if tiny else (
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
@@ -388,7 +394,7 @@ def gate_up(
     a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
-    if uses_gluon(layer, config, not tiny and (a_fp8 or layer.mx_words)):
+    if not tiny and uses_gluon(layer, config, False, a_fp8):
         _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, config, out)
         return
     split_k = cfg.split_k if tiny else 1
@@ -414,6 +420,26 @@ def gate_up(
         BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gate_up_gluon_tiny(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, topk_weights: torch.Tensor,
+                        ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
+                        out: TinyOut) -> None:
+    """Tiny gate/up of mx_words in gluon_kernels.gate_up_mx_words_tiny_kernel: a program per
+    (route slot, N tile) and K split, as kernels.gate_up_kernel's tiny grid."""
+    cfg = config.gate_up
+    scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
+    grid = (ids.numel() * (layer.shape.inter // cfg.block_n), cfg.split_k)
+    partials, counts = out.split(cfg.split_k), _arrival_counts(grid[0], cfg.split_k, x.device)
+    _launch(
+        gluon_kernels.gate_up_mx_words_tiny_kernel, grid,
+        x, w13, scale, partials, out.act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
+        ids.numel(), layer.shape.inter, layer.shape.hidden, layer.shape.top_k, x.stride(0), w13.stride(0), stride_se,
+        stride_sn, partials.stride(0), layer.beta, layer.linear_beta,
+        HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
+        PDL=uses_pdl(config), BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n, config.block_m, cfg.block_k), num_warps=4,
     )
 
 

@@ -164,6 +164,18 @@ def gluon_mx_candidates() -> list[KernelConfig]:
     return [KernelConfig(n, 64, 4, stages, gluon=True) for n in (64, 128) for stages in (3, 4)]
 
 
+def gluon_mx_tiny_candidates(shape: LayerShape) -> list[KernelConfig]:
+    """Tiny-mode mx_words gate/ups of gluon_kernels (4 warps, N tiles of one or two 64-row
+    wgmmas, K steps of one or two 64-K word chunks, 3 or 4 stages), K split 1 to 14 ways where
+    the split shares the layer's K steps evenly (launch.uses_gluon: otherwise the `tl` kernel
+    would run the entry). On an H200, Kimi-K3 M=1 with the shipped down: 25.1 us with N tiles
+    of 64, K steps of 64 and a split of 4, against 25.8 for the `tl` gate/up; unsplit 33-34 us
+    (96 programs), split 8 or 14 27-31 (docs/performance.md, 2026-12-04)."""
+    return [KernelConfig(n, k, 4, stages, split_k=split, gluon=True) for n in (64, 128) for k in (64, 128)
+            for stages in (3, 4) for split in (1, 2, 4, 7, 8, 14)
+            if shape.inter % n == 0 and shape.hidden % k == 0 and shape.hidden // k % split == 0]
+
+
 def gluon_mx_down_candidates() -> list[KernelConfig]:
     """Streamed mx_words downs of gluon_kernels (4 warps, N tiles of two halves of one or two
     64-row wgmmas, K steps of 64, 3 or 4 stages, 1 to 16 programs per block; NVIDIA sm_90+
@@ -252,8 +264,10 @@ class Candidates:
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
     if is_tiny(point.tokens, top_k):
-        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_up_tiny_candidates(fp8, smem_bytes),
-                                                  down_tiny_candidates(fp8, top_k, inter)))]
+        gate_ups = gate_up_tiny_candidates(fp8, smem_bytes)
+        if point.shape.weights == "mxfp4":
+            gate_ups += gluon_mx_tiny_candidates(point.shape)
+        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, down_tiny_candidates(fp8, top_k, inter)))]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
         tiled = gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
