@@ -247,8 +247,8 @@ def _bf16_halves(pair):
 def _mx_scales(ptrs):
     """The e8m0 scales at `ptrs` as the bf16x2 multipliers _mx_decode takes (int32, both halves
     _mx_scale_bits' 2^(s - 1)), converted as they load: carried to the next step as 32-bit
-    words, not as bytes that each step would insert into a register and mask again (two
-    integer operations a scale)."""
+    words, not as bytes that each step inserted into a register (a `PRMT` a scale) before
+    converting them."""
     bits = _mx_scale_bits(gl.load(ptrs))
     return bits | (bits << 16)
 
