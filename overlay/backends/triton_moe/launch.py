@@ -236,11 +236,12 @@ class TinyOut:
         return cls(torch.empty(routes, inter, dtype=torch.float32, device=device),
                    torch.empty(split_k, routes, 2 * inter, dtype=torch.float32, device=device))
 
-    def split(self, split_k: int) -> torch.Tensor:
-        """The partial sums of a launch split `split_k` ways."""
+    def split(self, programs: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the partial sums, the arrival counts) of a launch of `programs` N tiles split
+        `split_k` ways (_arrival_counts)."""
         if split_k > self.partials.shape[0]:
             raise ValueError(f"tiny gate/up scratch holds {self.partials.shape[0]} K splits, not {split_k}")
-        return self.partials[:split_k]
+        return self.partials[:split_k], _arrival_counts(programs, split_k, self.act.device)
 
 
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
@@ -383,7 +384,7 @@ def gate_up(
     if tiny and cfg.gemv:
         _gate_up_gemv(x, w13, w13_scale, topk_weights, ids, expert_map, layer, cfg, out, uses_pdl(config))
         return
-    if tiny and uses_gluon(layer, config, True, False):
+    if tiny and uses_gluon(layer, config, tiny=True, a_fp8=False):
         _gate_up_gluon_tiny(x, w13, w13_scale, topk_weights, ids, expert_map, layer, config, out)
         return
     num_blocks = ids.numel() if tiny else alignment.num_blocks
@@ -394,13 +395,13 @@ def gate_up(
     a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
-    if not tiny and uses_gluon(layer, config, False, a_fp8):
+    if not tiny and uses_gluon(layer, config, tiny=False, a_fp8=a_fp8):
         _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, config, out)
         return
     split_k = cfg.split_k if tiny else 1
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), split_k)
     if tiny:
-        dest, act, counts = out.split(split_k), out.act, _arrival_counts(grid[0], split_k, x.device)
+        (dest, counts), act = out.split(grid[0], split_k), out.act
     else:
         dest, counts, act = out, out, out
     tile_m, tile_m2 = row_tiles(config.block_m)
@@ -431,7 +432,7 @@ def _gate_up_gluon_tiny(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
     cfg = config.gate_up
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     grid = (ids.numel() * (layer.shape.inter // cfg.block_n), cfg.split_k)
-    partials, counts = out.split(cfg.split_k), _arrival_counts(grid[0], cfg.split_k, x.device)
+    partials, counts = out.split(grid[0], cfg.split_k)
     _launch(
         gluon_kernels.gate_up_mx_words_tiny_kernel, grid,
         x, w13, scale, partials, out.act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
@@ -453,7 +454,7 @@ def _gate_up_gemv(
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
     grid = (ids.numel() * triton.cdiv(layer.shape.inter, cfg.block_n), cfg.split_k)
-    partials, counts = out.split(cfg.split_k), _arrival_counts(grid[0], cfg.split_k, x.device)
+    partials, counts = out.split(grid[0], cfg.split_k)
     _launch(
         kernels.gate_up_gemv_kernel, grid,
         x, w13, scale, partials, out.act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
