@@ -522,6 +522,37 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     assert not uses(words, mx, target=GPUTarget("cuda", 89, 32))
 
 
+def test_gluon_tiny_down_is_kept_for_mx_words_in_whole_tiles_and_few_routes_a_program():
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from moe_overlay.backends.triton_moe import launch
+
+    down = configs.KernelConfig(128, 64, 4, 2, split_k=2, gluon=True)
+    config = configs.LaunchConfig(configs.TINY_ROUTES, configs.KernelConfig(64, 64, 4, 3, split_k=2), down)
+    words = launch.Layer(configs.LayerShape(8, 512, 256, 16, "mxfp4"), mx_words=True)  # top-16: 8 routes a share
+
+    def uses(layer, **changes):
+        return _on_target(GPUTarget("cuda", 90, 32), launch.uses_gluon_tiny_down, layer,
+                          replace(config, down=replace(down, **changes)))
+
+    compiled = isinstance(launch.kernels.down_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    assert uses(words) == compiled
+    assert uses(words, block_n=256, block_k=128, num_stages=4, split_k=16) == compiled
+    assert not uses(words, split_k=1)  # 16 routes a program: more than the wgmma's 8 columns
+    assert not uses(launch.Layer(words.shape))  # packed bytes (ROCm's)
+    assert not uses(words, gluon=False)
+    assert not uses(words, block_n=64)  # halves of half a wgmma
+    assert not uses(words, block_n=384)  # H of 512 in tiles of 384
+    assert not uses(words, block_k=256)
+    assert not uses(words, num_stages=1)
+    assert not uses(words, num_warps=8)
+    odd_i = launch.Layer(configs.LayerShape(8, 512, 320, 16, "mxfp4"), mx_words=True)
+    assert uses(odd_i) == compiled  # I of 5 K steps of 64
+    assert not uses(odd_i, block_k=128)  # 2.5 steps of 128
+    assert not _on_target(GPUTarget("cuda", 89, 32), launch.uses_gluon_tiny_down, words, config)
+
+
 def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
@@ -538,8 +569,13 @@ def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
         assert offered and {m for m, _ in offered} <= set(configs.GLUON_MX_BLOCK_MS)
         assert {(d.block_n, d.block_k, d.num_warps) for _, d in offered} == {(128, 64, 4), (256, 64, 4)}
         assert all(d.n_split >= 1 for _, d in offered)
-    for model, weights, tokens in (("DeepSeek-V3", "fp8-block", 8192), ("Kimi-K3", "mxfp4", 1)):
-        assert not gluon_downs(model, weights, tokens), (model, weights, tokens)  # format / tiny
+    assert not gluon_downs("DeepSeek-V3", "fp8-block", 8192)  # format
+    # tiny mode: the one-token Gluon down, each program 8 routes at most (Kimi-K3's 16 over 2 to 16)
+    offered = gluon_downs("Kimi-K3", "mxfp4", 1)
+    assert offered and {m for m, _ in offered} == {configs.TINY_ROUTES}
+    assert {(d.block_n, d.block_k, d.split_k) for _, d in offered} == {
+        (n, k, s) for n in (128, 256) for k in (64, 128) for s in (2, 4, 8, 16)}
+    assert not gluon_downs("DeepSeek-V3", "fp8-block", 1)
 
     down = configs.KernelConfig(128, 64, 4, 3, n_split=2, gluon=True)
     config = configs.LaunchConfig(16, configs.KernelConfig(64, 64, 4, 3, gluon=True), down)

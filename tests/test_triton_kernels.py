@@ -289,6 +289,40 @@ def test_gluon_mx_words_tiny_gate_up_equals_the_tl_kernel(spec, tokens, entry, t
     _equal_with_and_without_gluon(spec, m, 16, gate_up, down, "tiny_gate_up", tmp_path, monkeypatch)
 
 
+GLUON_MX_TINY_DOWNS = {  # tiny mode's downs in gluon_kernels' one-token mx_words down
+    "a-route-a-program-pdl": {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "split_k": 4,
+                              "pdl": True},
+    "all-routes-256-rows-steps-of-64": {"block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
+@pytest.mark.parametrize("tokens", ["one", "sixteen-routes"])
+@pytest.mark.parametrize("entry", GLUON_MX_TINY_DOWNS)
+def test_gluon_mx_words_tiny_down_matches_the_tl_kernel(spec, tokens, entry, tmp_path, monkeypatch):
+    """Tiny mode's mxfp4 down with and without `gluon` (gluon_kernels' one-token mx_words down
+    on NVIDIA from sm_90, which must take it there; elsewhere both run kernels.down_tiny_kernel):
+    each output within bf16's error of the reference, and the two within the rounding of the
+    activations to bf16 (the Gluon down's wgmma takes them so; the `tl` one keeps fp32)."""
+    from moe_overlay.backends.triton_moe import launch
+
+    m = 1 if tokens == "one" else 16 // spec.top_k
+    gate_up = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 2}
+    outs = []
+    for gluon in (False, True):
+        launch_entry = {"block_m": 16, "gate_up": gate_up, "down": {**GLUON_MX_TINY_DOWNS[entry], "gluon": gluon}}
+        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): launch_entry}}}
+        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
+        prepared, out, _ = _check(spec, m, tol=1e-2)
+        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
+        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
+        assert launch.uses_gluon_tiny_down(layer, config) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        outs.append(out)
+    assert relative_error(outs[1], outs[0]) < 5e-3
+
+
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
     mo.MoESpec(8, 384, 384, 2),  # three K steps, weight tiles through descriptors
     mo.MoESpec(8, 256, 200, 4, mo.Activation.situ(3.0, 9.0)),  # a last K step of 72: plain loads, masked

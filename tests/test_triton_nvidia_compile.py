@@ -318,6 +318,39 @@ def test_gluon_mx_words_tiny_gate_up_decodes_into_the_wgmma_operand_from_hopper_
         assert re.search(r"atom\.[^\n]*add", kernel.asm["ptx"])
 
 
+GLUON_MX_TINY_DOWNS = {  # tiny mode's mx_words downs through gluon_kernels: one token with PDL, four unchained
+    "one token, a route a program, PDL": (1, _config(16, {"block_n": 64, "split_k": 2, "gluon": True}, {
+        "block_n": 128, "block_k": 128, "num_stages": 2, "split_k": 2, "pdl": True, "gluon": True})),
+    "four tokens, 256-row tiles, K steps of 64": (4, _config(16, {"block_n": 64, "split_k": 2}, {
+        "block_n": 256, "block_k": 64, "num_stages": 3, "split_k": 1, "gluon": True})),
+}
+
+
+@pytest.mark.parametrize(("arch", "device"), [(90, DEVICE + 17), (89, DEVICE + 18)], ids=["sm_90", "sm_89"])
+def test_gluon_mx_words_tiny_down_copies_weights_before_its_pdl_wait_from_hopper_on(arch, device):
+    """Hopper: tiny mode's mx_words down is gluon_kernels' one-token down where the entry asks,
+    each K step two decoded wgmma operands (8 columns: a route each) and one wait; with PDL
+    it is launched so, and its first word copies are issued before it waits for the gate/up
+    and its activation loads after. Ada runs kernels.down_tiny_kernel."""
+    from moe_overlay.backends.triton_moe import gluon_kernels
+
+    compiled = _compile(GLUON_MX_TINY_DOWNS, arch, device)
+    gluon = list(gluon_kernels.down_mx_words_tiny_kernel.device_caches.get(device, ({},))[0].values())
+    assert len(gluon) == (2 if arch >= 90 else 0)
+    assert len(compiled["down_tiny_kernel"]) == (0 if arch >= 90 else 2)
+    assert sorted(k.metadata.launch_pdl for k in gluon) == ([False, True] if gluon else [])
+    for kernel in gluon:
+        _assert_two_decoded_dots_a_step(kernel)
+        ir = kernel.asm["ttgir"]
+        assert re.search(r"warp_group_dot [^\n]*-> tensor<\d+x8xf32", ir)
+        wait = re.search(r"tt\.grid_dependency_wait|griddepcontrol\.wait", ir)
+        if kernel.metadata.launch_pdl:
+            assert wait, "no PDL wait"
+            before, after = ir[: wait.start()], ir[wait.start():]
+            assert "async_copy_global_to_local" in before, "no word copy before the wait"
+            assert re.search(r"tt\.load [^\n]*ptr<f32>", after) and not re.search(r"tt\.load [^\n]*ptr<f32>", before)
+
+
 RESIDENT_SPEC = with_weights(mo.MoESpec(8, 512, 384, 2), "fp8-block")  # I of three K steps
 RESIDENT_LAUNCHES = {  # block-fp8 resident downs: 64-row tiles through descriptors or plain loads; 32-row weight-left
     "64 rows, descriptors": (300, _config(64, {"block_k": 128}, {"block_k": 128, "n_split": 1, "resident": True,

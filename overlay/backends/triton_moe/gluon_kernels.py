@@ -42,11 +42,14 @@ from .kernels import (
     MX_WORD_ROWS,
     SCALE_BLOCK,
     _activate,
+    _await_previous,
     _grid_position,
+    _last_to_arrive,
     _let_next_start,
     _local_expert,
     _mx_pairs,
     _mx_scale_bits,
+    _sum_splits,
     _tiny_store,
     settle_cache_keys,
 )
@@ -274,6 +277,14 @@ def _mx_copy_step(a_src, w_src, up_offs, a_smem, g_smem, u_smem, slot, rows, liv
     words at `w_src` and `w_src + up_offs` (gate and up, or a down tile's two halves)."""
     if live:
         _async_load(a_smem.index(slot), a_src, mask=rows[:, None])
+    _mx_copy_words(w_src, up_offs, g_smem, u_smem, slot, live)
+
+
+@gluon.jit
+def _mx_copy_words(w_src, up_offs, g_smem, u_smem, slot, live):
+    """The words at `w_src` and `w_src + up_offs` copied into ring slot `slot` asynchronously,
+    closing the step's commit group (an empty one when not `live`)."""
+    if live:
         _async_load(g_smem.index(slot), w_src)
         _async_load(u_smem.index(slot), w_src + up_offs)
     async_copy.commit_group()
@@ -300,21 +311,27 @@ def _mx_tile_ptrs(w_ptr, ws_ptr, expert, first_row, words_per_row, stride_we, st
 def _mx_ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
     """The mx_words kernels' ring in shared memory: STAGES slots of BLOCK_M activation rows and
     of two `[ROWS, C, 4]` word tiles (gate and up, or a down tile's two halves)."""
-    C: gl.constexpr = BLOCK_K // MX_GROUP
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16))
-    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    g_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
-    u_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
+    g_smem, u_smem = _mx_word_ring(STAGES, ROWS, BLOCK_K)
     return a_smem, g_smem, u_smem
 
 
 @gluon.jit
-def _mx_two_dots(a_smem, g_smem, u_smem, slot, g_scales, u_scales, acc_g, acc_u, W_LAYOUT: gl.constexpr,
+def _mx_word_ring(STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+    """_mx_ring's two word tiles a slot, `[ROWS, C, 4]` each."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    g_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
+    u_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, C, GROUP_WORDS], words_smem)
+    return g_smem, u_smem
+
+
+@gluon.jit
+def _mx_two_dots(acts, g_smem, u_smem, slot, g_scales, u_scales, acc_g, acc_u, W_LAYOUT: gl.constexpr,
                  a_op: gl.constexpr):
     """One K step of ring slot `slot`: the first word tile decoded and its wgmma started, the
-    second decoded while it runs, both against the slot's activation rows; one wait."""
-    acts = a_smem.index(slot).permute((1, 0))
+    second decoded while it runs, both against `acts` (`[K, N]` in shared memory); one wait."""
     first = warpgroup_mma(_mx_decode(g_smem.index(slot).load(W_LAYOUT), g_scales, a_op), acts, acc_g, is_async=True)
     second = warpgroup_mma(_mx_decode(u_smem.index(slot).load(W_LAYOUT), u_scales, a_op), acts, acc_u,
                            is_async=True)
@@ -369,8 +386,8 @@ def _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, k_first, k_st
         load_k = k + STAGES - 1
         _mx_copy_step(a_rows + load_k * BLOCK_K, w_words + load_k * STEP_WORDS, up_offs, a_smem, g_smem, u_smem,
                       load_k % STAGES, rows, load_k < k_steps)
-        acc_g, acc_u = _mx_two_dots(a_smem, g_smem, u_smem, k % STAGES, g_scales, u_scales, acc_g, acc_u, W_LAYOUT,
-                                    a_op)
+        acc_g, acc_u = _mx_two_dots(a_smem.index(k % STAGES).permute((1, 0)), g_smem, u_smem, k % STAGES, g_scales,
+                                    u_scales, acc_g, acc_u, W_LAYOUT, a_op)
         g_scales = g_next
         u_scales = u_next
     return acc_g, acc_u
@@ -534,8 +551,8 @@ def down_mx_words_kernel(
         _mx_copy_step(a_rows + load % k_steps * BLOCK_K, w_words + load // k_steps * tile_words
                       + load % k_steps * STEP_WORDS, half_offs, a_smem, lo_smem, hi_smem, load % STAGES, rows,
                       load < steps)
-        acc_lo, acc_hi = _mx_two_dots(a_smem, lo_smem, hi_smem, step % STAGES, lo_scales, hi_scales, acc_lo, acc_hi,
-                                      W_LAYOUT, a_op)
+        acc_lo, acc_hi = _mx_two_dots(a_smem.index(step % STAGES).permute((1, 0)), lo_smem, hi_smem, step % STAGES,
+                                      lo_scales, hi_scales, acc_lo, acc_hi, W_LAYOUT, a_op)
         lo_scales = lo_next
         hi_scales = hi_next
         if step % k_steps == k_steps - 1:
@@ -549,6 +566,118 @@ def down_mx_words_kernel(
             gl.store(out_rows + HALF + n[None, :], hi.to(out_ptr.dtype.element_ty), mask=(r_out < count)[:, None])
             acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
             acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
+
+
+
+
+@gluon.jit
+def _route_expert(ids_ptr, map_ptr, route, valid, HAS_MAP: gl.constexpr):
+    """A route's local expert, 0 where it has none here (or is past the token's routes): its
+    activation row is zero then, and so is its router weight."""
+    return gl.maximum(_local_expert(ids_ptr, map_ptr, route, valid, HAS_MAP), 0).to(gl.int64)
+
+
+@gluon.jit
+def _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, step, stride_we, stride_se,
+                     HAS_MAP: gl.constexpr, K_STEPS: gl.constexpr, STEP_WORDS: gl.constexpr, C: gl.constexpr):
+    """down_mx_words_tiny_kernel's step `step` (route step // K_STEPS of the program's, K step
+    step % K_STEPS): its words' and scales' pointers."""
+    expert = _route_expert(ids_ptr, map_ptr, first_route + step // K_STEPS, step // K_STEPS < routes_left, HAS_MAP)
+    k = step % K_STEPS
+    return w_words + expert * stride_we + k * STEP_WORDS, s_ptrs + expert * stride_se + k * C
+
+
+@gluon.jit
+def down_mx_words_tiny_kernel(
+    act_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counts_ptr, topk_weights_ptr, ids_ptr, map_ptr,
+    hidden, inter, top_k, stride_we, stride_se, stride_sn, stride_om, stride_ps,
+    HAS_MAP: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, PDL: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, ROUTES: gl.constexpr, ROUTE_SPLIT: gl.constexpr, K_STEPS: gl.constexpr,
+    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+):
+    """kernels.down_tiny_kernel for mx_words: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T)
+    for BLOCK_N rows of H (two halves, as down_mx_words_kernel's) and the program_id(2)-th share
+    of token t's routes, ROUTES of them. The program walks (route, K step) in one ring of word
+    copies, the first STAGES - 1 issued before the PDL wait (the gate/up still running); then
+    each route's fp32 activation goes to shared memory as bf16 tiles, one a K step, with the
+    route's row filled and the other rows zero, so that one accumulator of 8 columns (MMA's N)
+    gathers each route's sums in its own column. Router weights and the sum over the routes
+    after the loop; shares of a token's routes add up as down_tiny_kernel's do
+    (kernels._last_to_arrive, in share order)."""
+    C: gl.constexpr = BLOCK_K // MX_GROUP
+    HALF: gl.constexpr = BLOCK_N // 2
+    COLS: gl.constexpr = 8
+    STEPS: gl.constexpr = ROUTES * K_STEPS
+    STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    act_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])  # [COLS, BLOCK_K] tiles
+    sum_layout: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [1, 0])  # [COLS, HALF] sums
+    token = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    first_route = token * top_k + gl.program_id(2) * ROUTES
+    routes_left = top_k - gl.program_id(2) * ROUTES
+    w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, 0, pid_n * BLOCK_N, inter // 8, stride_we, stride_se, stride_sn,
+                                    HALF, C, W_BLK, gl.SliceLayout(2, W_LAYOUT))
+    half_offs = HALF * (inter // 8)
+    s_half = HALF * stride_sn
+    lo_smem, hi_smem = _mx_word_ring(STAGES, HALF, BLOCK_K)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STEPS, COLS, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_K], gl.bfloat16))
+    for s in gl.static_range(STAGES - 1):
+        src, _unused = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, s, stride_we,
+                                        stride_se, HAS_MAP, K_STEPS, STEP_WORDS, C)
+        _mx_copy_words(src, half_offs, lo_smem, hi_smem, s, s < STEPS)
+    _await_previous(PDL)
+    rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, act_layout))
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, act_layout))
+    for r in gl.static_range(ROUTES):
+        for k in gl.static_range(K_STEPS):
+            here = (rows == r)[:, None] & (r < routes_left)
+            a = gl.load(act_ptr + (first_route + rows)[:, None] * inter + (k * BLOCK_K + cols)[None, :], mask=here,
+                        other=0.0)
+            a_smem.index(r * K_STEPS + k).store(a.to(gl.bfloat16))
+    fence_async_shared()
+    _barrier()
+    _words, scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, 0, stride_we,
+                                      stride_se, HAS_MAP, K_STEPS, STEP_WORDS, C)
+    lo_scales = _mx_scales(scales)
+    hi_scales = _mx_scales(scales + s_half)
+    acc_lo = gl.zeros([HALF, COLS], gl.float32, layout=MMA)
+    acc_hi = gl.zeros([HALF, COLS], gl.float32, layout=MMA)
+    for step in range(STEPS):
+        _words, scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left,
+                                          gl.minimum(step + 1, STEPS - 1), stride_we, stride_se, HAS_MAP, K_STEPS,
+                                          STEP_WORDS, C)
+        lo_next = _mx_scales(scales)
+        hi_next = _mx_scales(scales + s_half)
+        _landed(STAGES)
+        load = step + STAGES - 1
+        src, _scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, load, stride_we,
+                                        stride_se, HAS_MAP, K_STEPS, STEP_WORDS, C)
+        _mx_copy_words(src, half_offs, lo_smem, hi_smem, load % STAGES, load < STEPS)
+        acc_lo, acc_hi = _mx_two_dots(a_smem.index(step).permute((1, 0)), lo_smem, hi_smem, step % STAGES, lo_scales,
+                                      hi_scales, acc_lo, acc_hi, W_LAYOUT, a_op)
+        lo_scales = lo_next
+        hi_scales = hi_next
+    r_out = gl.arange(0, COLS, layout=gl.SliceLayout(1, sum_layout))
+    here = (r_out < ROUTES) & (r_out < routes_left)
+    here &= _local_expert(ids_ptr, map_ptr, first_route + r_out, here, HAS_MAP) >= 0
+    weight = gl.where(here, 1.0, 0.0)
+    if not WEIGHT_ON_INPUT:
+        weight = gl.load(topk_weights_ptr + first_route + r_out, mask=here, other=0.0)
+    lo = gl.sum(gl.convert_layout(gl.permute(acc_lo, (1, 0)), sum_layout) * weight[:, None], axis=0)
+    hi = gl.sum(gl.convert_layout(gl.permute(acc_hi, (1, 0)), sum_layout) * weight[:, None], axis=0)
+    n = pid_n * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(0, sum_layout))
+    if ROUTE_SPLIT > 1:
+        part = partial_ptr + token * hidden + n
+        gl.store(part + gl.program_id(2) * stride_ps, lo)
+        gl.store(part + gl.program_id(2) * stride_ps + HALF, hi)
+        if not _last_to_arrive(counts_ptr, token * gl.num_programs(1) + pid_n, ROUTE_SPLIT):
+            return
+        lo = _sum_splits(part, stride_ps, n < hidden, ROUTE_SPLIT)
+        hi = _sum_splits(part + HALF, stride_ps, n < hidden, ROUTE_SPLIT)
+    gl.store(out_ptr + token * stride_om + n, lo.to(out_ptr.dtype.element_ty))
+    gl.store(out_ptr + token * stride_om + HALF + n, hi.to(out_ptr.dtype.element_ty))
 
 
 settle_cache_keys(globals())

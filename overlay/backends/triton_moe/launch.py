@@ -48,6 +48,7 @@ ALIGN_CHUNKS = (256, 4096)  # routes per sort program: the fewest and the most (
 ALIGN_PROGRAMS = 32  # sort programs a call aims at
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
+TINY_DOWN_COLUMNS = 8  # gluon_kernels' one-token down: its wgmma's N, a column a route of the program
 QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
 QUANT_ROWS = 32
 FP8_W_QUANT = {kernels.W_TENSOR.value, kernels.W_CHANNEL.value, kernels.W_BLOCK.value}
@@ -316,6 +317,18 @@ def uses_gluon_down(layer: Layer, config: LaunchConfig) -> bool:
             and _gluon_mx_words_fits(config.block_m, cfg, layer.shape.hidden, layer.shape.inter, 2))
 
 
+def uses_gluon_tiny_down(layer: Layer, config: LaunchConfig) -> bool:
+    """Whether tiny mode's down runs gluon_kernels.down_mx_words_tiny_kernel: the entry asks,
+    the weights are mx_words, _gluon_runs, its N tiles are two halves of whole 64-row wgmmas
+    that divide H, its K steps one or two word chunks that divide I, two ring slots at least,
+    and a program's share of a token's routes fits the wgmma's TINY_DOWN_COLUMNS columns.
+    Otherwise kernels.down_tiny_kernel runs it."""
+    cfg = config.down
+    routes = triton.next_power_of_2(layer.shape.top_k) // min(cfg.split_k, triton.next_power_of_2(layer.shape.top_k))
+    return (layer.mx_words and _gluon_runs(cfg) and routes <= TINY_DOWN_COLUMNS
+            and _mx_tiles_fit(cfg, layer.shape.hidden, layer.shape.inter, 2))
+
+
 def _gluon_runs(cfg: KernelConfig) -> bool:
     """The entry asks for Gluon with the kernels' one warpgroup (4 warps), and they compile
     here: NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's Hopper calls."""
@@ -334,12 +347,17 @@ def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:
 
 
 def _gluon_mx_words_fits(block_m: int, cfg: KernelConfig, rows: int, cols: int, parts: int) -> bool:
-    """mx_words, weights of `rows` x `cols` (K): blocks of 16 to 64 rows (the wgmma's N); N
-    tiles of `parts` whole 64-row wgmmas each (the down's two halves) that divide the rows; K
-    steps of one or two 64-K word chunks that divide K; two ring slots at least."""
-    return (block_m in GLUON_MX_BLOCK_MS and cfg.block_n % (parts * gluon_kernels.MX_WGMMA_ROWS) == 0
-            and rows % cfg.block_n == 0 and cfg.block_k in GLUON_MX_BLOCK_KS and cols % cfg.block_k == 0
-            and cfg.num_stages >= 2)
+    """mx_words, weights of `rows` x `cols` (K): blocks of 16 to 64 rows (the wgmma's N) and
+    _mx_tiles_fit."""
+    return block_m in GLUON_MX_BLOCK_MS and _mx_tiles_fit(cfg, rows, cols, parts)
+
+
+def _mx_tiles_fit(cfg: KernelConfig, rows: int, cols: int, parts: int) -> bool:
+    """N tiles of `parts` whole 64-row wgmmas each (the down's two halves) that divide the
+    `rows`; K steps of one or two 64-K word chunks that divide K (`cols`); two ring slots at
+    least."""
+    return (cfg.block_n % (parts * gluon_kernels.MX_WGMMA_ROWS) == 0 and rows % cfg.block_n == 0
+            and cfg.block_k in GLUON_MX_BLOCK_KS and cols % cfg.block_k == 0 and cfg.num_stages >= 2)
 
 
 def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -541,7 +559,9 @@ def down_tiny(
     out: torch.Tensor,
 ) -> None:
     """Tiny mode: down projection of tiny gate/up's fp32 activation `[routes, I]` and the top-k
-    sum straight into `out` `[M, H]`; the entry's split_k programs share each token's routes."""
+    sum straight into `out` `[M, H]`; the entry's split_k programs share each token's routes.
+    kernels.down_tiny_kernel, or for mx_words where the entry says so gluon_kernels' one-token
+    down (uses_gluon_tiny_down)."""
     cfg = config.down
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
@@ -551,6 +571,19 @@ def down_tiny(
     grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n), split)
     partials = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device) if split > 1 else out
     pdl = uses_pdl(config)
+    if uses_gluon_tiny_down(layer, config):
+        grid = (out.shape[0], layer.shape.hidden // cfg.block_n, split)
+        _launch(
+            gluon_kernels.down_mx_words_tiny_kernel, grid,
+            act, w2, scale, out, partials, _arrival_counts(grid[0] * grid[1], split, out.device), topk_weights, ids,
+            ids if expert_map is None else expert_map, layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
+            w2.stride(0), stride_se, stride_sn, out.stride(0), out.numel(),
+            HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, PDL=pdl, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, ROUTES=k_pad // split, ROUTE_SPLIT=split, K_STEPS=layer.shape.inter // cfg.block_k,
+            STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n // 2, TINY_DOWN_COLUMNS, cfg.block_k),
+            num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        )
+        return
     _launch(
         kernels.down_tiny_kernel, grid,
         act, w2, scale, out, partials, _arrival_counts(grid[0] * grid[1], split, out.device), topk_weights, ids,

@@ -184,6 +184,19 @@ def gluon_mx_down_candidates() -> list[KernelConfig]:
             for split in (1, 2, 4, 8, 16)]
 
 
+def gluon_mx_tiny_down_candidates(shape: LayerShape) -> list[KernelConfig]:
+    """Tiny-mode mx_words downs of gluon_kernels (4 warps, N tiles of two 64- or 128-row
+    halves, K steps of one or two word chunks, 2 to 4 stages, a token's routes shared by
+    programs of at most launch.TINY_DOWN_COLUMNS routes; NVIDIA sm_90+ with mx_words,
+    launch.uses_gluon_tiny_down). On an H200, Kimi-K3 M=1 with the Gluon tiny gate/up: 24.2 us
+    with N tiles of 128, K steps of 128, 2 stages and a route a program, against 25.0 for the
+    `tl` down; 4 routes a program 37-49 (docs/performance.md, 2026-12-04)."""
+    k_pad = 1 << (shape.top_k - 1).bit_length()
+    return [KernelConfig(n, k, 4, stages, split_k=split, gluon=True) for n in (128, 256) for k in (64, 128)
+            for stages in (2, 3, 4) for split in (1, 2, 4, 8, 16)
+            if split <= k_pad and k_pad // split <= 8 and shape.hidden % n == 0 and shape.inter % k == 0]
+
+
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
@@ -264,10 +277,11 @@ class Candidates:
 def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
     if is_tiny(point.tokens, top_k):
-        gate_ups = gate_up_tiny_candidates(fp8, smem_bytes)
+        gate_ups, downs = gate_up_tiny_candidates(fp8, smem_bytes), down_tiny_candidates(fp8, top_k, inter)
         if point.shape.weights == "mxfp4":
             gate_ups += gluon_mx_tiny_candidates(point.shape)
-        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, down_tiny_candidates(fp8, top_k, inter)))]
+            downs += gluon_mx_tiny_down_candidates(point.shape)
+        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, downs))]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
         tiled = gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
