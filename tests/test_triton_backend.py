@@ -550,6 +550,9 @@ def test_gluon_tiny_down_is_kept_for_mx_words_in_whole_tiles_and_few_routes_a_pr
     odd_i = launch.Layer(configs.LayerShape(8, 512, 320, 16, "mxfp4"), mx_words=True)
     assert uses(odd_i) == compiled  # I of 5 K steps of 64
     assert not uses(odd_i, block_k=128)  # 2.5 steps of 128
+    one_step = launch.Layer(configs.LayerShape(8, 512, 128, 16, "mxfp4"), mx_words=True)
+    assert uses(one_step) == compiled  # I of 2 K steps of 64
+    assert not uses(one_step, block_k=128)  # one K step a route: Triton 3.6 fails to lower it
     assert not _on_target(GPUTarget("cuda", 89, 32), launch.uses_gluon_tiny_down, words, config)
 
 

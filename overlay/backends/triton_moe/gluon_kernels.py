@@ -572,8 +572,8 @@ def down_mx_words_kernel(
 
 @gluon.jit
 def _route_expert(ids_ptr, map_ptr, route, valid, HAS_MAP: gl.constexpr):
-    """A route's local expert, 0 where it has none here (or is past the token's routes): its
-    activation row is zero then, and so is its router weight."""
+    """A route's local expert, 0 where it has none here (or is past the token's routes): the
+    kernel loads no activation for it then and gives it no router weight."""
     return gl.maximum(_local_expert(ids_ptr, map_ptr, route, valid, HAS_MAP), 0).to(gl.int64)
 
 
@@ -630,9 +630,11 @@ def down_mx_words_tiny_kernel(
     _await_previous(PDL)
     rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, act_layout))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, act_layout))
+    live = (rows < ROUTES) & (rows < routes_left)
+    live &= _local_expert(ids_ptr, map_ptr, first_route + rows, live, HAS_MAP) >= 0  # not here: a zero row
     for r in gl.static_range(ROUTES):
         for k in gl.static_range(K_STEPS):
-            here = (rows == r)[:, None] & (r < routes_left)
+            here = ((rows == r) & live)[:, None]
             a = gl.load(act_ptr + (first_route + rows)[:, None] * inter + (k * BLOCK_K + cols)[None, :], mask=here,
                         other=0.0)
             a_smem.index(r * K_STEPS + k).store(a.to(gl.bfloat16))

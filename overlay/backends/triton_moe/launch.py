@@ -320,13 +320,13 @@ def uses_gluon_down(layer: Layer, config: LaunchConfig) -> bool:
 def uses_gluon_tiny_down(layer: Layer, config: LaunchConfig) -> bool:
     """Whether tiny mode's down runs gluon_kernels.down_mx_words_tiny_kernel: the entry asks,
     the weights are mx_words, _gluon_runs, its N tiles are two halves of whole 64-row wgmmas
-    that divide H, its K steps one or two word chunks that divide I, two ring slots at least,
-    and a program's share of a token's routes fits the wgmma's TINY_DOWN_COLUMNS columns.
-    Otherwise kernels.down_tiny_kernel runs it."""
+    that divide I in two steps at least (Triton 3.6 fails to lower the kernel's ring copies
+    where one step covers I), two ring slots at least, and a program's share of a token's
+    routes fits the wgmma's TINY_DOWN_COLUMNS columns. Otherwise kernels.down_tiny_kernel runs it."""
     cfg = config.down
     routes = triton.next_power_of_2(layer.shape.top_k) // min(cfg.split_k, triton.next_power_of_2(layer.shape.top_k))
     return (layer.mx_words and _gluon_runs(cfg) and routes <= TINY_DOWN_COLUMNS
-            and _mx_tiles_fit(cfg, layer.shape.hidden, layer.shape.inter, 2))
+            and layer.shape.inter >= 2 * cfg.block_k and _mx_tiles_fit(cfg, layer.shape.hidden, layer.shape.inter, 2))
 
 
 def _gluon_runs(cfg: KernelConfig) -> bool:
