@@ -324,9 +324,35 @@ def mx_unwords(words: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# mx_words' e8m0 scales keep their shape `[E, N, K/32]` and bytes, reordered so that each 16-row
+# group's 64-K chunk (16 rows, 2 scale groups) is one 32-byte run whose 4-byte word i holds rows i
+# and i + 8: byte 2h + g of word i is row i + 8h, group 2c + g of chunk c. A lane of the Gluon
+# kernels, which decodes rows i and i + 8 (gluon_kernels.mx_words_layout), loads a 64-K step's
+# four scales as one word.
+def _mx_scale_view(shape: torch.Size) -> tuple[int, ...]:
+    e, n, groups = shape
+    return (e, n // MX_WORD_ROWS, 2, MX_WORD_ROWS // 2, groups // 2, 2)  # [E, N/16, h, i, c, g]
+
+
+MX_SCALE_ORDER = (0, 1, 4, 3, 2, 5)  # [E, N/16, h, i, c, g] -> [E, N/16, c, i, h, g]
+
+
+def mx_scale_words(scales: torch.Tensor) -> torch.Tensor:
+    """Canonical e8m0 scales `[E, N, K/32]` of an mx_words weight -> the same bytes in the order
+    above (same shape)."""
+    return scales.view(_mx_scale_view(scales.shape)).permute(MX_SCALE_ORDER).reshape(scales.shape)
+
+
+def mx_scale_unwords(scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of `mx_scale_words`."""
+    e, blocks, half, rows, chunks, groups = _mx_scale_view(scales.shape)
+    order = (e, blocks, chunks, rows, half, groups)
+    return scales.view(order).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
+
+
 def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
-    """mxfp4 weights as `mx_words` (scales stay canonical); refused, naming the tensor, where a
-    scale exceeds what the decode's multiplier holds."""
+    """mxfp4 weights as `mx_words` and their scales as `mx_scale_words`; refused, naming the
+    tensor, where a scale exceeds what the decode's multiplier holds."""
     if not enabled:
         return t
     if spec.quant.weights != "mxfp4":
@@ -335,6 +361,7 @@ def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tenso
     for name in ("w13", "w2"):
         if inverse:
             out[name] = mx_unwords(t[name])
+            out[f"{name}_scale"] = mx_scale_unwords(t[f"{name}_scale"])
             continue
         largest = int(t[f"{name}_scale"].max())
         if largest > MX_WORD_MAX_SCALE:
@@ -342,6 +369,7 @@ def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tenso
                 f"{name}_scale holds e8m0 {largest} (2^{largest - E8M0_BIAS}); the mx_words layout decodes "
                 f"scales up to 2^{MX_WORD_MAX_SCALE - E8M0_BIAS}: use a backend that keeps canonical mxfp4")
         out[name] = mx_words(t[name], name)
+        out[f"{name}_scale"] = mx_scale_words(t[f"{name}_scale"])
     return out
 
 

@@ -201,7 +201,11 @@ def test_mx_words_round_trip_through_the_layout_and_refuse_scales_the_decode_can
     layout = mo.Layout("triton", mx_words=True)
     words = to_layout(tensors, spec, layout)
     assert words["w13"].dtype == torch.int32 and words["w13"].shape == (4, 128, 16)
-    assert torch.equal(words["w13_scale"], tensors["w13_scale"])
+    scales = tensors["w13_scale"]  # [4, 128, 4]: row 16b + 8h + i, group 2c + g -> byte 64b + 32c + 4i + 2h + g
+    assert words["w13_scale"].shape == scales.shape
+    for row, group in ((0, 0), (9, 1), (16 + 7, 2), (127, 3)):
+        place = 64 * (row // 16) + 32 * (group // 2) + 4 * (row % 8) + 2 * (row // 8 % 2) + group % 2
+        assert torch.equal(words["w13_scale"].flatten(1)[:, place], scales[:, row, group]), (row, group)
     back = to_canonical(words, spec, layout)
     assert all(torch.equal(back[name], tensors[name]) for name in tensors)
     tensors["w2_scale"][2, 5, 1] = 129  # 2^2: the bf16 multiplier 2^(s - 1) would overflow

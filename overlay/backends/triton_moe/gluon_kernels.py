@@ -49,6 +49,7 @@ from .kernels import (
     _local_expert,
     _mx_pairs,
     _mx_scale_bits,
+    _mx_scale_offsets,
     _sum_splits,
     _tiny_store,
     settle_cache_keys,
@@ -205,6 +206,7 @@ MX_WGMMA_ROWS = 64  # weight rows of one warpgroup's wgmma: the mx_words kernel'
 WORDS_PER_CHUNK: gl.constexpr = gl.constexpr(MX_WORD_ROWS.value * MX_WORD_CHUNK.value)  # a 16-row group's 64-K chunk
 GROUP_WORDS: gl.constexpr = gl.constexpr(4)  # a row's words of one 32-K scale group
 CHUNK_GROUPS: gl.constexpr = gl.constexpr(MX_WORD_CHUNK.value // GROUP_WORDS.value)  # scale groups of a 64-K chunk
+SCALE_K_BYTES: gl.constexpr = gl.constexpr(16)  # layout.mx_scale_words: a 16-row group's scales, bytes a 32-K group
 
 
 A_BLK: gl.constexpr = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # mx kernels' activation copies
@@ -214,9 +216,10 @@ OUT_LAYOUT: gl.constexpr = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1],
 def mx_layouts(rows: int, block_m: int, block_k: int) -> dict[str, object]:
     """The mx_words kernels' layouts for weight tiles of `rows` (gate, up or a down half),
     blocks of `block_m` and K steps of `block_k` (one warpgroup): the words' copies (W_BLK),
-    their decode's (W_LAYOUT, mx_words_layout) and the wgmma's accumulator (MMA)."""
+    their decode's (W_LAYOUT, mx_words_layout), their scales' words (S_LAYOUT,
+    mx_scale_layout) and the wgmma's accumulator (MMA)."""
     groups = block_k // MX_GROUP.value
-    return {"W_LAYOUT": mx_words_layout(rows, groups),
+    return {"W_LAYOUT": mx_words_layout(rows, groups), "S_LAYOUT": mx_scale_layout(rows, groups),
             "W_BLK": gl.BlockedLayout([1, 1, GROUP_WORDS.value], [32 // groups, groups, 1], [4, 1, 1], [2, 1, 0]),
             "MMA": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16])}
 
@@ -233,6 +236,18 @@ def mx_words_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [rows, groups, GROUP_WORDS.value])
 
 
+def mx_scale_layout(rows: int, groups: int) -> gl.DistributedLinearLayout:
+    """`[rows / 2, groups / 2]` words of layout.mx_scale_words (word (p, j): rows 16(p / 8) + p %
+    8 and + 8, groups 2j and 2j + 1) where each lane of mx_words_layout finds its rows' scales:
+    lane / 4 the row within 8 (the four lanes of a row load the same word), registers the 64-K
+    chunks and the 64-row wgmma tiles, warps the 16-row slices."""
+    regs = [[0, 1 << i] for i in range((groups // 2).bit_length() - 1)]
+    regs += [[MX_WGMMA_ROWS // 2 << i, 0] for i in range((rows // MX_WGMMA_ROWS).bit_length() - 1)]
+    lanes = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+    warps = [[8, 0], [16, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [rows // 2, groups // 2])
+
+
 @gluon.jit
 def _bf16x2_mul(pair, scale2):
     """bf16x2 `pair` times bf16x2 `scale2`, both as int32: one instruction for two weights."""
@@ -247,13 +262,27 @@ def _bf16_halves(pair):
 
 
 @gluon.jit
-def _mx_scales(ptrs):
-    """The e8m0 scales at `ptrs` as the bf16x2 multipliers _mx_decode takes (int32, both halves
-    _mx_scale_bits' 2^(s - 1)), converted as they load: carried to the next step as 32-bit
-    words, not as bytes that each step inserted into a register (a `PRMT` a scale) before
-    converting them."""
-    bits = _mx_scale_bits(gl.load(ptrs))
+def _bf16x2_scale(words, byte: gl.constexpr):
+    """Byte `byte` of each scale word, an e8m0 scale, as _mx_decode's bf16x2 multiplier (int32,
+    both halves _mx_scale_bits' 2^(s - 1))."""
+    bits = _mx_scale_bits((words >> (8 * byte)) & 0xFF)
     return bits | (bits << 16)
+
+
+@gluon.jit
+def _mx_scales(ptrs, W_LAYOUT: gl.constexpr):
+    """The e8m0 scales of a K step of weight rows as the bf16x2 multipliers _mx_decode takes,
+    `[rows, C]` laid out as W_LAYOUT's rows and groups: one word a lane and 64-K chunk at `ptrs`
+    (`[rows / 2, C / 2]`, mx_scale_layout; layout.mx_scale_words: byte 2h + g row + 8h, group
+    2j + g), converted as it loads and carried to the next step converted."""
+    words = gl.load(ptrs.to(gl.pointer_type(gl.int32)))
+    pairs: gl.constexpr = words.shape[0]
+    chunks: gl.constexpr = words.shape[1]
+    scales = gl.join(gl.join(_bf16x2_scale(words, 0), _bf16x2_scale(words, 1)),
+                     gl.join(_bf16x2_scale(words, 2), _bf16x2_scale(words, 3)))  # [p, j, g, h]
+    scales = gl.permute(gl.reshape(scales, [pairs // 8, 8, chunks, 2, 2]), (0, 4, 1, 2, 3))  # [p / 8, h, p % 8, j, g]
+    return gl.convert_layout(gl.reshape(scales, [2 * pairs, 2 * chunks]), gl.SliceLayout(2, W_LAYOUT),
+                             assert_trivial=True)
 
 
 @gluon.jit
@@ -293,18 +322,21 @@ def _mx_copy_words(w_src, up_offs, g_smem, u_smem, slot, live):
 @gluon.jit
 def _mx_tile_ptrs(w_ptr, ws_ptr, expert, first_row, words_per_row, stride_we, stride_se, stride_sn,
                   ROWS: gl.constexpr, C: gl.constexpr, W_BLK: gl.constexpr, s_layout: gl.constexpr):
-    """Pointers to K step 0's words of an expert's weight rows first_row .. + ROWS, `[ROWS, C,
-    4]` laid out as W_BLK (mx_words keeps `[N/16, K/64, 16, 8]` words an expert:
-    layout.mx_words), and to their e8m0 scales, `[ROWS, C]` laid out as `s_layout`."""
+    """Pointers to K step 0's words of an expert's weight rows first_row .. + ROWS (a multiple
+    of 16), `[ROWS, C, 4]` laid out as W_BLK (mx_words keeps `[N/16, K/64, 16, 8]` words an
+    expert: layout.mx_words), and to their e8m0 scales' words, `[ROWS / 2, C / 2]` laid out as
+    `s_layout` (mx_scale_layout; the pointers are to bytes: a K step moves them C *
+    SCALE_K_BYTES)."""
     wr = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_BLK)))
     wc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_BLK)))
     wt = gl.arange(0, GROUP_WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_BLK)))
     row_offs = (wr // MX_WORD_ROWS) * (MX_WORD_ROWS * words_per_row) + (wr % MX_WORD_ROWS) * MX_WORD_CHUNK
     group_offs = (wc // CHUNK_GROUPS) * WORDS_PER_CHUNK + (wc % CHUNK_GROUPS) * GROUP_WORDS
     words = w_ptr + expert * stride_we + row_offs[:, None, None] + group_offs[None, :, None] + wt[None, None, :]
-    sr = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    sc = gl.arange(0, C, layout=gl.SliceLayout(0, s_layout))
-    return words, ws_ptr + expert * stride_se + sr[:, None] * stride_sn + sc[None, :]
+    pairs = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, s_layout))
+    sr = first_row + pairs // (MX_WORD_ROWS // 2) * MX_WORD_ROWS + pairs % (MX_WORD_ROWS // 2)  # the word's rows i
+    sc = 2 * gl.arange(0, C // 2, layout=gl.SliceLayout(0, s_layout))
+    return words, ws_ptr + expert * stride_se + _mx_scale_offsets(sr[:, None], sc[None, :], stride_sn)
 
 
 @gluon.jit
@@ -341,13 +373,13 @@ def _mx_two_dots(acts, g_smem, u_smem, slot, g_scales, u_scales, acc_g, acc_u, W
 @gluon.jit
 def _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, tokens, inter, hidden, stride_xm, stride_we, stride_se,
                      stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, W_BLK: gl.constexpr,
-                     W_LAYOUT: gl.constexpr):
+                     S_LAYOUT: gl.constexpr):
     """K step 0's words and scales of an expert's gate rows pid_n * BLOCK_N .. + BLOCK_N
     (_mx_tile_ptrs), the offsets of the up rows' (words, scales), and the activation rows of
     `tokens` (laid out as A_BLK's rows)."""
     words_per_row = hidden // 8
     w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, pid_n * BLOCK_N, words_per_row, stride_we, stride_se,
-                                    stride_sn, BLOCK_N, BLOCK_K // MX_GROUP, W_BLK, gl.SliceLayout(2, W_LAYOUT))
+                                    stride_sn, BLOCK_N, BLOCK_K // MX_GROUP, W_BLK, S_LAYOUT)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_BLK))
     a_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
     return w_words, s_ptrs, inter * words_per_row, inter * stride_sn, a_rows
@@ -368,19 +400,19 @@ def _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, k_first, k_st
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     a_rows += k_first * BLOCK_K
     w_words += k_first * STEP_WORDS
-    s_ptrs += k_first * C
+    s_ptrs += k_first * C * SCALE_K_BYTES
     a_smem, g_smem, u_smem = _mx_ring(STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
     for s in gl.static_range(STAGES - 1):
         _mx_copy_step(a_rows + s * BLOCK_K, w_words + s * STEP_WORDS, up_offs, a_smem, g_smem, u_smem, s, rows,
                       s < k_steps)
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    g_scales = _mx_scales(s_ptrs)
-    u_scales = _mx_scales(s_ptrs + s_up)
+    g_scales = _mx_scales(s_ptrs, W_LAYOUT)
+    u_scales = _mx_scales(s_ptrs + s_up, W_LAYOUT)
     for k in range(k_steps):
-        ahead = gl.minimum(k + 1, k_steps - 1) * C
-        g_next = _mx_scales(s_ptrs + ahead)
-        u_next = _mx_scales(s_ptrs + s_up + ahead)
+        ahead = gl.minimum(k + 1, k_steps - 1) * C * SCALE_K_BYTES
+        g_next = _mx_scales(s_ptrs + ahead, W_LAYOUT)
+        u_next = _mx_scales(s_ptrs + s_up + ahead, W_LAYOUT)
         _landed(STAGES)
         # the slot step k - 1 used: every warp is past it (the barrier) and its wgmmas are done
         load_k = k + STAGES - 1
@@ -399,7 +431,7 @@ def gate_up_mx_words_kernel(
     num_blocks_m, inter, hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_om, beta, linear_beta,
     WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
-    W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+    S_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     """kernels.gate_up_kernel in sorted mode for mx_words with 16-bit activations: BLOCK_N gate
     and up weight rows a program, decoded each K step into wgmma's register operand (the weight
@@ -414,7 +446,7 @@ def gate_up_mx_words_kernel(
         return
     w_words, s_ptrs, up_offs, s_up, a_rows = _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, tokens, inter,
                                                               hidden, stride_xm, stride_we, stride_se, stride_sn,
-                                                              BLOCK_N, BLOCK_K, W_BLK, W_LAYOUT)
+                                                              BLOCK_N, BLOCK_K, W_BLK, S_LAYOUT)
     acc_g, acc_u = _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, 0, hidden // BLOCK_K, BLOCK_M,
                                     BLOCK_N, BLOCK_K, STAGES, W_LAYOUT, MMA)
     gate = gl.convert_layout(gl.permute(acc_g, (1, 0)), OUT_LAYOUT)
@@ -437,7 +469,8 @@ def gate_up_mx_words_tiny_kernel(
     hidden, top_k, stride_xm, stride_we, stride_se, stride_sn, stride_ps, beta, linear_beta,
     HAS_MAP: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, ACTIVATION: gl.constexpr, PDL: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
-    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """kernels.gate_up_kernel in tiny mode for mx_words with 16-bit activations: no sort; the
     program of route slot s (program_id(0): slot, then N tile) takes every route of slot s's
@@ -456,7 +489,7 @@ def gate_up_mx_words_tiny_kernel(
         return
     w_words, s_ptrs, up_offs, s_up, a_rows = _mx_gate_up_ptrs(x_ptr, w_ptr, ws_ptr, expert, pid_n, routes // top_k,
                                                               inter, hidden, stride_xm, stride_we, stride_se,
-                                                              stride_sn, BLOCK_N, BLOCK_K, W_BLK, W_LAYOUT)
+                                                              stride_sn, BLOCK_N, BLOCK_K, W_BLK, S_LAYOUT)
     k_steps = hidden // BLOCK_K // SPLIT_K
     acc_g, acc_u = _mx_gate_up_sums(a_rows, rows, w_words, s_ptrs, up_offs, s_up, gl.program_id(1) * k_steps, k_steps,
                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, W_LAYOUT, MMA)
@@ -492,8 +525,8 @@ def down_mx_words_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, topk_weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr,
     hidden, inter, stride_am, stride_we, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    N_SPLIT: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr,
-    num_warps: gl.constexpr,
+    N_SPLIT: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+    W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     """kernels.down_kernel streamed, for mx_words with 16-bit activations: a program per block
     and N_SPLIT-th of the N tiles, walking (N tile, K step) in one ring, so that the next
@@ -505,7 +538,6 @@ def down_mx_words_kernel(
     HALF: gl.constexpr = BLOCK_N // 2
     STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    s_layout: gl.constexpr = gl.SliceLayout(2, W_LAYOUT)
     pid_m = gl.program_id(0) // N_SPLIT
     # the block's routes (top_k 1: _block_rows' tokens are then the route ids)
     count, expert, rows, _ = _block_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, 1,
@@ -519,7 +551,7 @@ def down_mx_words_kernel(
         return
     words_per_row = inter // 8
     w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, expert, first * BLOCK_N, words_per_row, stride_we, stride_se,
-                                    stride_sn, HALF, C, W_BLK, s_layout)
+                                    stride_sn, HALF, C, W_BLK, S_LAYOUT)
     half_offs = HALF * words_per_row
     tile_words = BLOCK_N * words_per_row
     s_half = HALF * stride_sn
@@ -536,15 +568,15 @@ def down_mx_words_kernel(
     for s in gl.static_range(STAGES - 1):
         _mx_copy_step(a_rows + s % k_steps * BLOCK_K, w_words + s // k_steps * tile_words + s % k_steps * STEP_WORDS,
                       half_offs, a_smem, lo_smem, hi_smem, s, rows, s < steps)
-    lo_scales = _mx_scales(s_ptrs)
-    hi_scales = _mx_scales(s_ptrs + s_half)
+    lo_scales = _mx_scales(s_ptrs, W_LAYOUT)
+    hi_scales = _mx_scales(s_ptrs + s_half, W_LAYOUT)
     acc_lo = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
     acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
     for step in range(steps):
         ahead = gl.minimum(step + 1, steps - 1)
-        s_ahead = ahead // k_steps * BLOCK_N * stride_sn + ahead % k_steps * C
-        lo_next = _mx_scales(s_ptrs + s_ahead)
-        hi_next = _mx_scales(s_ptrs + s_half + s_ahead)
+        s_ahead = ahead // k_steps * BLOCK_N * stride_sn + ahead % k_steps * C * SCALE_K_BYTES
+        lo_next = _mx_scales(s_ptrs + s_ahead, W_LAYOUT)
+        hi_next = _mx_scales(s_ptrs + s_half + s_ahead, W_LAYOUT)
         _landed(STAGES)
         # the slot step - 1 used: every warp is past it (the barrier) and its wgmmas are done
         load = step + STAGES - 1
@@ -584,7 +616,7 @@ def _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left
     step % K_STEPS): its words' and scales' pointers."""
     expert = _route_expert(ids_ptr, map_ptr, first_route + step // K_STEPS, step // K_STEPS < routes_left, HAS_MAP)
     k = step % K_STEPS
-    return w_words + expert * stride_we + k * STEP_WORDS, s_ptrs + expert * stride_se + k * C
+    return w_words + expert * stride_we + k * STEP_WORDS, s_ptrs + expert * stride_se + k * C * SCALE_K_BYTES
 
 
 @gluon.jit
@@ -593,7 +625,8 @@ def down_mx_words_tiny_kernel(
     hidden, inter, top_k, stride_we, stride_se, stride_sn, stride_om, stride_ps,
     HAS_MAP: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, PDL: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, ROUTES: gl.constexpr, ROUTE_SPLIT: gl.constexpr, K_STEPS: gl.constexpr,
-    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """kernels.down_tiny_kernel for mx_words: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T)
     for BLOCK_N rows of H (two halves, as down_mx_words_kernel's) and the program_id(2)-th share
@@ -617,7 +650,7 @@ def down_mx_words_tiny_kernel(
     first_route = token * top_k + gl.program_id(2) * ROUTES
     routes_left = top_k - gl.program_id(2) * ROUTES
     w_words, s_ptrs = _mx_tile_ptrs(w_ptr, ws_ptr, 0, pid_n * BLOCK_N, inter // 8, stride_we, stride_se, stride_sn,
-                                    HALF, C, W_BLK, gl.SliceLayout(2, W_LAYOUT))
+                                    HALF, C, W_BLK, S_LAYOUT)
     half_offs = HALF * (inter // 8)
     s_half = HALF * stride_sn
     lo_smem, hi_smem = _mx_word_ring(STAGES, HALF, BLOCK_K)
@@ -642,16 +675,16 @@ def down_mx_words_tiny_kernel(
     _barrier()
     _words, scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, 0, stride_we,
                                       stride_se, HAS_MAP, K_STEPS, STEP_WORDS, C)
-    lo_scales = _mx_scales(scales)
-    hi_scales = _mx_scales(scales + s_half)
+    lo_scales = _mx_scales(scales, W_LAYOUT)
+    hi_scales = _mx_scales(scales + s_half, W_LAYOUT)
     acc_lo = gl.zeros([HALF, COLS], gl.float32, layout=MMA)
     acc_hi = gl.zeros([HALF, COLS], gl.float32, layout=MMA)
     for step in range(STEPS):
         _words, scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left,
                                           gl.minimum(step + 1, STEPS - 1), stride_we, stride_se, HAS_MAP, K_STEPS,
                                           STEP_WORDS, C)
-        lo_next = _mx_scales(scales)
-        hi_next = _mx_scales(scales + s_half)
+        lo_next = _mx_scales(scales, W_LAYOUT)
+        hi_next = _mx_scales(scales + s_half, W_LAYOUT)
         _landed(STAGES)
         load = step + STAGES - 1
         src, _scales = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, load, stride_we,

@@ -298,18 +298,33 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
 
 
 @triton.jit
+def _mx_scale_offsets(rows, groups, stride_sn):
+    """Offsets of the e8m0 scales of weight rows `rows` (`[R, 1]`) and scale groups `groups`
+    (`[1, G]`) in an expert's mx_words scales (layout.mx_scale_words; `stride_sn` is K/32):
+    16-row groups of K/32 64-K chunks, each 32 bytes, word i rows i and i + 8."""
+    half = MX_WORD_ROWS // 2
+    return ((rows // MX_WORD_ROWS) * (MX_WORD_ROWS * stride_sn) + (groups // 2) * (MX_WORD_ROWS * 2)
+            + (rows % half) * 4 + (rows // half % 2) * 2 + groups % 2)
+
+
+@triton.jit
 def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ONE_SCALE: tl.constexpr):
+                 ONE_SCALE: tl.constexpr, MX_WORDS: tl.constexpr):
     """The weight scales K step `k` needs for weight rows `rows` (of `cols` columns): fp8
     block, one per row, or one for all (ONE_SCALE: the rows lie in one 128-row scale block,
     so _mma_step rescales with one multiply-add an element, not two multiplies and an add);
     mxfp4, one e8m0 per row and 32 columns, `[rows, BLOCK_K / 32]` (groups past the row's end
-    read as 2^0: their weights read as zeros); others none (0)."""
+    read as 2^0: their weights read as zeros), canonical or in mx_words' order (MX_WORDS);
+    others none (0)."""
     scales = 0.0
     if W_QUANT == W_MXFP4:
         groups = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
         ok = rows_ok[:, None] & (groups < cols // MX_GROUP)[None, :]
-        scales = tl.load(scale_base + rows[:, None] * stride_sn + groups[None, :], mask=ok, other=127)
+        if MX_WORDS:
+            offsets = _mx_scale_offsets(rows[:, None], groups[None, :], stride_sn)
+        else:
+            offsets = rows[:, None] * stride_sn + groups[None, :]
+        scales = tl.load(scale_base + offsets, mask=ok, other=127)
     elif W_QUANT == W_BLOCK and ONE_SCALE:
         scales = tl.load(scale_base + (tl.min(rows, 0) // SCALE_BLOCK) * stride_sn + k)
     elif W_QUANT == W_BLOCK:
@@ -541,8 +556,10 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
             gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
             up = tl.load(up_ptrs, mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
-        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
+        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE,
+                                  MX_WORDS)
+        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
+                                ONE_SCALE, MX_WORDS)
         if MX_WORDS:
             gate = _mx_decode(gate, gate_scale)
             up = _mx_decode(up, up_scale)
@@ -679,7 +696,7 @@ def gate_up_gemv_kernel(
             packed = tl.load(w_rows + offs_b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
             a_even = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)[None, :]
             a_odd = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)[None, :]
-            scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False)
+            scale = _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, False, False)
             groups += _mx_group_sums(_mx_products(packed, a_even, a_odd), scale, 2 * BLOCK_N, BLOCK_K)
         rows = tl.sum(groups, axis=1)
     elif W_QUANT != W_NONE and W_QUANT != W_MXFP4:  # fp8: a K step of GROUPS 128-wide groups
@@ -728,7 +745,7 @@ def gate_up_gemv_kernel(
                 words, words_ok = _mx_word_offsets(offs_w, k, hidden, BLOCK_K)
                 words = tl.load(w_expert + words, mask=w_ok[:, None, None] & words_ok, other=0)
                 w = _mx_decode(words, _step_scales(scale_base, offs_w, w_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
-                                                   False))
+                                                   False, True))
             else:
                 w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
                 w_ptrs += BLOCK_K
@@ -898,7 +915,7 @@ def down_kernel(
             w = tl.load(w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None],
                         mask=w_ok, other=0.0)
         a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE)
+        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE, MX_WORDS)
         if MX_WORDS:
             w = _mx_decode(w, w_scale)
         acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
@@ -1016,7 +1033,7 @@ def _resident_fp8_step(acc, a, a_scale, desc, w_cols, w_row, offs_n, n_ok, scale
                        k: tl.constexpr, W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr):
     """acc += K step `k` of a block-fp8 resident tile, rescaled (_step_scales, _mma_step)."""
     w = _resident_w(desc, w_cols, w_row, n_ok, inter, k * SCALE_BLOCK, SCALE_BLOCK, W_DESC)
-    w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_BLOCK, SCALE_BLOCK, ONE_SCALE)
+    w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_BLOCK, SCALE_BLOCK, ONE_SCALE, False)
     return _mma_step(acc, a, a_scale, w, w_scale, W_BLOCK, "bf16", ONE_SCALE, False, W_LEFT)
 
 
@@ -1104,7 +1121,8 @@ def down_tiny_kernel(
                 words = tl.load(word_rows[:, None, None] + words, mask=rows_ok[:, None, None] & words_ok, other=0)
                 offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
                 g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
-                scale = tl.reshape(tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127),
+                scale_offs = _mx_scale_offsets(offs_n[None, :, None], offs_g[None, None, :], stride_sn)
+                scale = tl.reshape(tl.load(scale_base[:, None, None] + scale_offs, mask=g_ok, other=127),
                                    [K_PAD * BLOCK_N, BLOCK_K // MX_GROUP])
                 w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
             else:
