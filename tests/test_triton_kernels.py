@@ -3,8 +3,10 @@ skipped, unless TRITON_INTERPRET=1 asks for Triton's CPU interpreter (small shap
 the interpreter's bf16 dot and fp8 rounding are wrong, so it runs fp16 and skips fp8; mxfp4
 runs there with fp16 activations)."""
 
+import functools
 import json
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -219,14 +221,21 @@ def test_gluon_mx_words_gate_up_equals_the_tl_kernel(spec, m, entry, tmp_path, m
 
 
 def _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, monkeypatch):
-    """Runs the layer with `gemm`'s entry ("gate_up", "tiny_gate_up" or "down") without and with `gluon`: on
-    NVIDIA from sm_90 launch must take gluon_kernels' kernel when asked (elsewhere both run the
-    `tl` kernel); each output within bf16's error of the reference, and the two equal."""
+    """_with_and_without_gluon's two outputs are equal."""
+    gluon_off, gluon_on = _with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, monkeypatch)
+    assert torch.equal(gluon_off, gluon_on)
+
+
+def _with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, monkeypatch, taken=True):
+    """The layer's outputs with `gemm`'s entry ("gate_up", "tiny_gate_up", "down" or "tiny_down")
+    without and with `gluon`: on NVIDIA from sm_90 launch must take gluon_kernels' kernel when
+    asked and `taken` (elsewhere both run the `tl` kernel); each within bf16's error of the
+    reference."""
     from moe_overlay.backends.triton_moe import launch
 
     uses = {"gate_up": lambda layer, config: launch.uses_gluon(layer, config, False, False),
             "tiny_gate_up": lambda layer, config: launch.uses_gluon(layer, config, True, False),
-            "down": launch.uses_gluon_down}[gemm]
+            "down": launch.uses_gluon_down, "tiny_down": launch.uses_gluon_tiny_down}[gemm]
     key = gemm.removeprefix("tiny_")
     outs = []
     for gluon in (False, True):
@@ -238,9 +247,9 @@ def _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_pat
         prepared, out, _ = _check(spec, m, tol=1e-2)
         config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
         layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
-        assert uses(layer, config) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        assert uses(layer, config) == (gluon and taken and torch.cuda.get_device_capability() >= (9, 0))
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    return outs
 
 
 GLUON_MX_DOWNS = {  # (block_m, streamed down) of gluon_kernels' mx_words down
@@ -265,6 +274,14 @@ def test_gluon_mx_words_down_equals_the_tl_kernel(spec, m, entry, tmp_path, monk
     _equal_with_and_without_gluon(spec, m, block_m, gate_up, down, "down", tmp_path, monkeypatch)
 
 
+def tiny_mx_cases(entries: dict) -> Callable:
+    """needs_cuda and tiny mode's mx_words cases: each of GLUON_MX_SPECS, one token or 16
+    routes, each of `entries`."""
+    marks = (pytest.mark.parametrize("entry", entries), pytest.mark.parametrize("tokens", ["one", "sixteen-routes"]),
+             pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"]), needs_cuda)
+    return lambda test: functools.reduce(lambda marked, mark: mark(marked), marks, test)
+
+
 GLUON_MX_TINY = {  # (gate/up, down) of tiny mode with gluon_kernels' mx_words gate/up
     "split-2": ({"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 2},
                 {"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1, "split_k": 2}),
@@ -275,10 +292,7 @@ GLUON_MX_TINY = {  # (gate/up, down) of tiny mode with gluon_kernels' mx_words g
 }
 
 
-@needs_cuda
-@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
-@pytest.mark.parametrize("tokens", ["one", "sixteen-routes"])
-@pytest.mark.parametrize("entry", GLUON_MX_TINY)
+@tiny_mx_cases(GLUON_MX_TINY)
 def test_gluon_mx_words_tiny_gate_up_equals_the_tl_kernel(spec, tokens, entry, tmp_path, monkeypatch):
     """Tiny mode's mxfp4 gate/up with and without `gluon` (gluon_kernels' tiny mx_words kernel
     on NVIDIA from sm_90, which must take it there; elsewhere both run kernels.gate_up_kernel):
@@ -296,33 +310,19 @@ GLUON_MX_TINY_DOWNS = {  # tiny mode's downs in gluon_kernels' one-token mx_word
 }
 
 
-@needs_cuda
-@pytest.mark.parametrize("spec", GLUON_MX_SPECS, ids=["silu", "situ", "k1-oninput-ep"])
-@pytest.mark.parametrize("tokens", ["one", "sixteen-routes"])
-@pytest.mark.parametrize("entry", GLUON_MX_TINY_DOWNS)
+@tiny_mx_cases(GLUON_MX_TINY_DOWNS)
 def test_gluon_mx_words_tiny_down_matches_the_tl_kernel(spec, tokens, entry, tmp_path, monkeypatch):
     """Tiny mode's mxfp4 down with and without `gluon` (gluon_kernels' one-token mx_words down
     on NVIDIA from sm_90, which must take it there; elsewhere both run kernels.down_tiny_kernel):
     each output within bf16's error of the reference, and the two within the rounding of the
     activations to bf16 (the Gluon down's wgmma takes them so; the `tl` one keeps fp32)."""
-    from moe_overlay.backends.triton_moe import launch
-
     m = 1 if tokens == "one" else 16 // spec.top_k
     gate_up = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 2}
-    outs = []
-    for gluon in (False, True):
-        launch_entry = {"block_m": 16, "gate_up": gate_up, "down": {**GLUON_MX_TINY_DOWNS[entry], "gluon": gluon}}
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): launch_entry}}}
-        (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
-        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
-        prepared, out, _ = _check(spec, m, tol=1e-2)
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
-        two_steps = spec.intermediate_size >= 2 * GLUON_MX_TINY_DOWNS[entry]["block_k"]  # else the tl kernel
-        assert launch.uses_gluon_tiny_down(layer, config) == (
-            gluon and two_steps and torch.cuda.get_device_capability() >= (9, 0))
-        outs.append(out)
-    assert relative_error(outs[1], outs[0]) < 5e-3
+    down = GLUON_MX_TINY_DOWNS[entry]
+    two_steps = spec.intermediate_size >= 2 * down["block_k"]  # else the tl kernel runs
+    tl_out, gluon_out = _with_and_without_gluon(spec, m, 16, gate_up, down, "tiny_down", tmp_path, monkeypatch,
+                                                taken=two_steps)
+    assert relative_error(gluon_out, tl_out) < 5e-3
 
 
 RESIDENT_FP8_SPECS = [with_weights(spec, "fp8-block") for spec in (
