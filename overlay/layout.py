@@ -329,7 +329,7 @@ def mx_unwords(words: torch.Tensor) -> torch.Tensor:
 # and i + 8: byte 2h + g of word i is row i + 8h, group 2c + g of chunk c. A lane of the Gluon
 # kernels, which decodes rows i and i + 8 (gluon_kernels.mx_words_layout), loads a 64-K step's
 # four scales as one word.
-def _mx_scale_view(shape: torch.Size) -> tuple[int, ...]:
+def _mx_scale_word_view(shape: torch.Size) -> tuple[int, ...]:
     e, n, groups = shape
     return (e, n // MX_WORD_ROWS, 2, MX_WORD_ROWS // 2, groups // 2, 2)  # [E, N/16, h, i, c, g]
 
@@ -340,12 +340,12 @@ MX_SCALE_ORDER = (0, 1, 4, 3, 2, 5)  # [E, N/16, h, i, c, g] -> [E, N/16, c, i, 
 def mx_scale_words(scales: torch.Tensor) -> torch.Tensor:
     """Canonical e8m0 scales `[E, N, K/32]` of an mx_words weight -> the same bytes in the order
     above (same shape)."""
-    return scales.view(_mx_scale_view(scales.shape)).permute(MX_SCALE_ORDER).reshape(scales.shape)
+    return scales.view(_mx_scale_word_view(scales.shape)).permute(MX_SCALE_ORDER).reshape(scales.shape)
 
 
 def mx_scale_unwords(scales: torch.Tensor) -> torch.Tensor:
     """Inverse of `mx_scale_words`."""
-    e, blocks, half, rows, chunks, groups = _mx_scale_view(scales.shape)
+    e, blocks, half, rows, chunks, groups = _mx_scale_word_view(scales.shape)
     order = (e, blocks, chunks, rows, half, groups)
     return scales.view(order).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
 
