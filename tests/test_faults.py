@@ -32,12 +32,14 @@ ENV_KEY = "sk-from-the-environment-4d2c"
 
 
 def _stream(server: Server, results: list, started: threading.Semaphore) -> None:
-    """One long streaming completion; records how it ended."""
+    """One long streaming completion; records how it ended and how many tokens it got: the
+    server's own count where its closing usage event came (vLLM may put several tokens in one
+    event when the engine runs ahead of the stream), else the events'."""
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(server.base_url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {ENV_KEY}"})
-    tokens, finish, done, refused = 0, None, False, None
+    events, usage, finish, done, refused = 0, None, None, False, None
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             for raw in response:
@@ -49,16 +51,20 @@ def _stream(server: Server, results: list, started: threading.Semaphore) -> None
                     if "error" in event:
                         refused = event["error"]["message"]
                         continue
-                    tokens += 1
-                    finish = event["choices"][0].get("finish_reason") or finish
-                    if tokens == 1:
-                        started.release()
+                    if event.get("usage"):  # the closing event: no choices
+                        usage = event["usage"]["completion_tokens"]
+                    for choice in event["choices"]:
+                        events += 1
+                        finish = choice.get("finish_reason") or finish
+                        if events == 1:
+                            started.release()
+        tokens = events if usage is None else usage
         results.append({"ok": True, "tokens": tokens, "finish": finish, "done": done, "refused": refused})
     except urllib.error.HTTPError as err:  # refused before it started
         message = json.loads(err.read() or b"{}").get("error")
         results.append({"ok": err.code == 503, "tokens": 0, "done": False, "refused": message, "status": err.code})
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-        results.append({"ok": False, "tokens": tokens, "error": repr(err)})
+        results.append({"ok": False, "tokens": events, "error": repr(err)})
 
 
 def _engine_core(server: Server) -> int:
