@@ -29,6 +29,7 @@ MIN_TILE_M = 16  # a dot's least M
 MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
 GLUON_BLOCK_M = 64  # gluon_kernels' block-fp8 gate/up: one warpgroup's wgmma rows a block
 GLUON_MX_BLOCK_MS = (16, 32, 64)  # gluon_kernels' mx_words gate/up: its blocks (the wgmma's N)
+TINY_DOWN_COLUMNS = 8  # gluon_kernels' one-token mx_words down: its wgmma's N, a column a route of a program
 GLUON_MX_BLOCK_KS = (64, 128)  # and its K steps: one or two 64-K word chunks
 RESIDENT_MAX_I = 512  # down_resident_kernel: beyond, a program per output tile has enough K steps to pipeline
 FP8_STEP = 128  # fp8 K steps: one 128-wide weight scale block and activation group each
@@ -211,6 +212,14 @@ def resident_k(inter: int) -> tuple[int, int]:
 
 def is_tiny(num_tokens: int, top_k: int) -> bool:
     return num_tokens * top_k <= TINY_ROUTES
+
+
+def tiny_route_split(top_k: int, split_k: int) -> tuple[int, int]:
+    """Tiny mode's down: (routes a program, programs a token) of a token's top_k routes, padded
+    to a power of two, shared `split_k` ways (at most one route a program)."""
+    k_pad = 1 << (top_k - 1).bit_length()
+    split = min(split_k, k_pad)
+    return k_pad // split, split
 
 
 def default_config(shape: LayerShape, num_tokens: int) -> LaunchConfig:

@@ -600,8 +600,6 @@ def down_mx_words_kernel(
             acc_hi = gl.zeros([HALF, BLOCK_M], gl.float32, layout=MMA)
 
 
-
-
 @gluon.jit
 def _route_expert(ids_ptr, map_ptr, route, valid, HAS_MAP: gl.constexpr):
     """A route's local expert, 0 where it has none here (or is past the token's routes): the
@@ -625,21 +623,20 @@ def down_mx_words_tiny_kernel(
     hidden, inter, top_k, stride_we, stride_se, stride_sn, stride_om, stride_ps,
     HAS_MAP: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, PDL: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, ROUTES: gl.constexpr, ROUTE_SPLIT: gl.constexpr, K_STEPS: gl.constexpr,
-    STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, W_BLK: gl.constexpr, MMA: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES: gl.constexpr, COLS: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, W_BLK: gl.constexpr,
+    MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     """kernels.down_tiny_kernel for mx_words: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T)
     for BLOCK_N rows of H (two halves, as down_mx_words_kernel's) and the program_id(2)-th share
     of token t's routes, ROUTES of them. The program walks (route, K step) in one ring of word
     copies, the first STAGES - 1 issued before the PDL wait (the gate/up still running); then
     each route's fp32 activation goes to shared memory as bf16 tiles, one a K step, with the
-    route's row filled and the other rows zero, so that one accumulator of 8 columns (MMA's N)
-    gathers each route's sums in its own column. Router weights and the sum over the routes
-    after the loop; shares of a token's routes add up as down_tiny_kernel's do
-    (kernels._last_to_arrive, in share order)."""
+    route's row filled and the other rows zero, so that one accumulator of COLS columns (MMA's
+    N) gathers each route's sums in its own column (a zero one for a route not here). Router
+    weights and the sum over the routes after the loop; shares of a token's routes add up as
+    down_tiny_kernel's do (kernels._last_to_arrive, in share order)."""
     C: gl.constexpr = BLOCK_K // MX_GROUP
     HALF: gl.constexpr = BLOCK_N // 2
-    COLS: gl.constexpr = 8
     STEPS: gl.constexpr = ROUTES * K_STEPS
     STEP_WORDS: gl.constexpr = BLOCK_K // (CHUNK_GROUPS * MX_GROUP) * WORDS_PER_CHUNK
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -695,8 +692,7 @@ def down_mx_words_tiny_kernel(
         lo_scales = lo_next
         hi_scales = hi_next
     r_out = gl.arange(0, COLS, layout=gl.SliceLayout(1, sum_layout))
-    here = (r_out < ROUTES) & (r_out < routes_left)
-    here &= _local_expert(ids_ptr, map_ptr, first_route + r_out, here, HAS_MAP) >= 0
+    here = (r_out < ROUTES) & (r_out < routes_left)  # a route not here: its column is zero
     weight = gl.where(here, 1.0, 0.0)
     if not WEIGHT_ON_INPUT:
         weight = gl.load(topk_weights_ptr + first_route + r_out, mask=here, other=0.0)

@@ -24,6 +24,7 @@ from .configs import (
     GLUON_BLOCK_M,
     GLUON_MX_BLOCK_KS,
     GLUON_MX_BLOCK_MS,
+    TINY_DOWN_COLUMNS,
     KernelConfig,
     LaunchConfig,
     LayerShape,
@@ -32,6 +33,7 @@ from .configs import (
     launch_config,
     resident_k,
     row_tiles,
+    tiny_route_split,
     weights_tag,
 )
 
@@ -48,7 +50,6 @@ ALIGN_CHUNKS = (256, 4096)  # routes per sort program: the fewest and the most (
 ALIGN_PROGRAMS = 32  # sort programs a call aims at
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
-TINY_DOWN_COLUMNS = 8  # gluon_kernels' one-token down: its wgmma's N, a column a route of the program
 QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
 QUANT_ROWS = 32
 FP8_W_QUANT = {kernels.W_TENSOR.value, kernels.W_CHANNEL.value, kernels.W_BLOCK.value}
@@ -324,7 +325,7 @@ def uses_gluon_tiny_down(layer: Layer, config: LaunchConfig) -> bool:
     where one step covers I), two ring slots at least, and a program's share of a token's
     routes fits the wgmma's TINY_DOWN_COLUMNS columns. Otherwise kernels.down_tiny_kernel runs it."""
     cfg = config.down
-    routes = triton.next_power_of_2(layer.shape.top_k) // min(cfg.split_k, triton.next_power_of_2(layer.shape.top_k))
+    routes, _ = tiny_route_split(layer.shape.top_k, cfg.split_k)
     return (layer.mx_words and _gluon_runs(cfg) and routes <= TINY_DOWN_COLUMNS
             and layer.shape.inter >= 2 * cfg.block_k and _mx_tiles_fit(cfg, layer.shape.hidden, layer.shape.inter, 2))
 
@@ -566,21 +567,20 @@ def down_tiny(
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
     ids = topk_ids.reshape(-1)
-    k_pad = triton.next_power_of_2(layer.shape.top_k)
-    split = min(cfg.split_k, k_pad)
+    routes, split = tiny_route_split(layer.shape.top_k, cfg.split_k)
     grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n), split)
     partials = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device) if split > 1 else out
     pdl = uses_pdl(config)
-    if uses_gluon_tiny_down(layer, config):
-        grid = (out.shape[0], layer.shape.hidden // cfg.block_n, split)
+    if uses_gluon_tiny_down(layer, config):  # its N tiles divide H: the grid above
         _launch(
             gluon_kernels.down_mx_words_tiny_kernel, grid,
             act, w2, scale, out, partials, _arrival_counts(grid[0] * grid[1], split, out.device), topk_weights, ids,
             ids if expert_map is None else expert_map, layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
             w2.stride(0), stride_se, stride_sn, out.stride(0), out.numel(),
             HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, PDL=pdl, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, ROUTES=k_pad // split, ROUTE_SPLIT=split, K_STEPS=layer.shape.inter // cfg.block_k,
-            STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n // 2, TINY_DOWN_COLUMNS, cfg.block_k),
+            BLOCK_K=cfg.block_k, ROUTES=routes, ROUTE_SPLIT=split, K_STEPS=layer.shape.inter // cfg.block_k,
+            STAGES=cfg.num_stages, COLS=TINY_DOWN_COLUMNS,
+            **gluon_kernels.mx_layouts(cfg.block_n // 2, TINY_DOWN_COLUMNS, cfg.block_k),
             num_warps=4, **({"launch_pdl": True} if pdl else {}),
         )
         return
@@ -592,7 +592,7 @@ def down_tiny(
         w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0), out.numel(),
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words, PDL=pdl,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=k_pad // split, ROUTE_SPLIT=split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=routes, ROUTE_SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
 

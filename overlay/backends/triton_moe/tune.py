@@ -28,6 +28,7 @@ from .configs import (
     GLUON_MX_BLOCK_MS,
     MX_MIN_K,
     RESIDENT_MAX_I,
+    TINY_DOWN_COLUMNS,
     TINY_ROUTES,
     KernelConfig,
     LaunchConfig,
@@ -42,6 +43,7 @@ from .configs import (
     resident_k,
     row_tiles,
     stage_bytes,
+    tiny_route_split,
 )
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
@@ -191,10 +193,13 @@ def gluon_mx_tiny_down_candidates(shape: LayerShape) -> list[KernelConfig]:
     launch.uses_gluon_tiny_down). On an H200, Kimi-K3 M=1 with the Gluon tiny gate/up: 24.2 us
     with N tiles of 128, K steps of 128, 2 stages and a route a program, against 25.0 for the
     `tl` down; 4 routes a program 37-49 (docs/performance.md, 2026-12-04)."""
-    k_pad = 1 << (shape.top_k - 1).bit_length()
+    def shares(split: int) -> bool:  # `split` programs a token, each within the wgmma's columns
+        routes, programs = tiny_route_split(shape.top_k, split)
+        return programs == split and routes <= TINY_DOWN_COLUMNS
+
     return [KernelConfig(n, k, 4, stages, split_k=split, gluon=True) for n in (128, 256) for k in (64, 128)
             for stages in (2, 3, 4) for split in (1, 2, 4, 8, 16)
-            if split <= k_pad and k_pad // split <= 8 and shape.hidden % n == 0 and shape.inter % k == 0]
+            if shares(split) and shape.hidden % n == 0 and shape.inter % k == 0]
 
 
 def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
