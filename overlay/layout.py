@@ -345,9 +345,9 @@ def mx_scale_words(scales: torch.Tensor) -> torch.Tensor:
 
 def mx_scale_unwords(scales: torch.Tensor) -> torch.Tensor:
     """Inverse of `mx_scale_words`."""
-    e, blocks, half, rows, chunks, groups = _mx_scale_word_view(scales.shape)
-    order = (e, blocks, chunks, rows, half, groups)
-    return scales.view(order).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
+    view = _mx_scale_word_view(scales.shape)
+    stored = tuple(view[i] for i in MX_SCALE_ORDER)
+    return scales.view(stored).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
 
 
 def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
