@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends import aiter_kernels
+from moe_overlay.backends.aiter import kernels as aiter_kernels
 from tests.aiter_emulator.layers import (
     FP8_TOKEN,
     PATH_CASES,

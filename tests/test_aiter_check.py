@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from moe_overlay.backends import aiter_check
+from moe_overlay.backends.aiter import check as aiter_check
 from tests.aiter_emulator.layers import emulated_backend
 
 # The four models' MoE layers per GPU under TP8: (hidden, intermediate, experts, top-k)

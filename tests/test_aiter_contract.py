@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends import aiter_kernels
-from moe_overlay.backends.aiter_capability import ACTIVATIONS, PATHS
-from moe_overlay.backends.aiter_ops import AITER_FUNCTIONS
+from moe_overlay.backends.aiter import kernels as aiter_kernels
+from moe_overlay.backends.aiter.capability import ACTIVATIONS, PATHS
+from moe_overlay.backends.aiter.ops import AITER_FUNCTIONS
 from tests.aiter_emulator.layers import CONTRACTS, FP8_TOKEN, PATH_CASES, emulated_backend, random_batch, random_layer
 from tests.aiter_emulator.sources import installed_version, main_record
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends.aiter_capability import ARCHS
-from moe_overlay.backends.aiter_ops import AITER_DISTRIBUTION
+from moe_overlay.backends.aiter.capability import ARCHS
+from moe_overlay.backends.aiter.ops import AITER_DISTRIBUTION
 from moe_overlay.layout import shuffle_mx_scales, shuffle_tiles, to_canonical, to_layout
 from moe_overlay.quant import (
     E8M0_BIAS,

@@ -10,9 +10,9 @@ import torch
 
 import moe_overlay as mo
 from moe_overlay import backend as registry
-from moe_overlay.backends import aiter_ops
-from moe_overlay.backends.aiter_backend import AiterBackend
-from moe_overlay.backends.aiter_capability import PATHS
+from moe_overlay.backends.aiter import ops as aiter_ops
+from moe_overlay.backends.aiter.backend import AiterBackend
+from moe_overlay.backends.aiter.capability import PATHS
 from tests.aiter_emulator import installed_contract
 from tests.aiter_emulator.layers import FP8_BLOCK, FP8_TENSOR, FP8_TOKEN, MXFP4, emulated_backend
 

@@ -66,7 +66,7 @@ KIMI_MXFP4 = mo.MoESpec(896, 3584, 384, 16, mo.Activation.situ(), quant=mo.Quant
 def emulated_aiter(monkeypatch):
     """AITER's backend on an emulated GPU (its main branch's contract, read with the installed
     amd-aiter's files), and triton importable."""
-    from moe_overlay.backends.aiter_ops import AITER_DISTRIBUTION
+    from moe_overlay.backends.aiter.ops import AITER_DISTRIBUTION
     from moe_overlay.backends.triton_moe import backend as triton_backend
     from tests.aiter_emulator.layers import emulated_backend
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 import moe_overlay as mo
-from moe_overlay.backends.aiter_backend import AiterBackend
-from moe_overlay.backends.aiter_check import FP8_BLOCK, FP8_TENSOR, FP8_TOKEN
+from moe_overlay.backends.aiter.backend import AiterBackend
+from moe_overlay.backends.aiter.check import FP8_BLOCK, FP8_TENSOR, FP8_TOKEN
 from moe_overlay.backends.problems import random_weights
 
 from .emulator import AiterEmulator

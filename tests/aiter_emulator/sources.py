@@ -21,8 +21,8 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from moe_overlay.backends.aiter_capability import AiterFeatures
-from moe_overlay.backends.aiter_ops import AITER_DISTRIBUTION, AITER_ENUMS, AITER_FUNCTIONS
+from moe_overlay.backends.aiter.capability import AiterFeatures
+from moe_overlay.backends.aiter.ops import AITER_DISTRIBUTION, AITER_ENUMS, AITER_FUNCTIONS
 
 MAIN_RECORD = Path(__file__).with_name("aiter_main_contract.json")
 ENUM_HEADERS = ("aiter_meta/csrc/include/aiter_enum.h", "csrc/include/aiter_enum.h")  # wheel, checkout

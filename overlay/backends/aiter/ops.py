@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..backend import Platform
-from ..errors import BackendUnavailableError
-from .aiter_capability import AiterFeatures
+from ...backend import Platform
+from ...errors import BackendUnavailableError
+from .capability import AiterFeatures
 
 # Every AITER function the backend calls: name -> the module that defines it
 # (tests parse `<module path>.py` in AITER's sources to check each call's keywords).

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BackendUnavailableError
-from ..layout import Layout
-from ..quant import native_fp8_format
-from ..spec import MoESpec
+from ...errors import BackendUnavailableError
+from ...layout import Layout
+from ...quant import native_fp8_format
+from ...spec import MoESpec
 
 # gfx arch -> its GPUs (the fp8 flavour AITER computes in, its `dtypes.fp8`, is native_fp8_format's)
 ARCHS = {"gfx942": "MI300X/MI325X", "gfx950": "MI350X/MI355X"}

@@ -2,7 +2,7 @@
 run it against the torch reference for the four models' MoE layers (per-GPU shapes under
 TP8, random weights in each model's quantisation) and print max errors and timings.
 
-    python -m moe_overlay.backends.aiter_check [--tokens 1,32,512] [--iters 20] [--models kimi,...]
+    python -m moe_overlay.backends.aiter.check [--tokens 1,32,512] [--iters 20] [--models kimi,...]
 
 The first call of each case builds AITER's kernels (AITER compiles on first use: minutes).
 Exit status: 0 when every case that can run here is within its tolerance, 1 when one is not
@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..backend import Backend, Platform, get_backend, select_backend
-from ..errors import BackendUnavailableError
-from ..prepared import PreparedExperts
-from ..routing import grouped_topk, sigmoid_top1, softmax_topk
-from ..spec import MoESpec, QuantSpec
-from .problems import model, random_weights
+from ...backend import Backend, Platform, get_backend, select_backend
+from ...errors import BackendUnavailableError
+from ...prepared import PreparedExperts
+from ...routing import grouped_topk, sigmoid_top1, softmax_topk
+from ...spec import MoESpec, QuantSpec
+from ..problems import model, random_weights
 
 Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (logits, top_k) -> routing
 
@@ -171,7 +171,7 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_overlay.backends.aiter_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m moe_overlay.backends.aiter.check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,32,512", help="batch sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=20, help="timed AITER calls per batch size (default: %(default)s)")
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device("cuda")
     if not torch.cuda.is_available() or torch.version.hip is None:
         where = "no GPU" if not torch.cuda.is_available() else f"a {Platform.of(device)} GPU"
-        print(f"aiter_check needs an AMD GPU with ROCm (MI300X/MI325X or MI350X/MI355X); this machine has {where}")
+        print(f"the AITER check needs an AMD GPU with ROCm (MI300X/MI325X or MI350X/MI355X); this machine has {where}")
         return 2
     wanted = [w.strip().lower() for w in args.models.split(",") if w.strip()]
     cases = [c for c in CASES if not wanted or any(w in c.model.lower() for w in wanted)]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoEInputError
-from ..routing import _check_logits
-from .aiter_capability import ACTIVATION_KEYWORDS
-from .aiter_ops import RocmAiter, bound_ops
+from ...errors import MoEInputError
+from ...routing import _check_logits
+from .capability import ACTIVATION_KEYWORDS
+from .ops import RocmAiter, bound_ops
 
 
 def _handed_over(w: torch.Tensor, fp4: torch.dtype | None) -> torch.Tensor:

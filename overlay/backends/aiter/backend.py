@@ -1,9 +1,9 @@
 """The AITER backend: AMD's fused-MoE kernels (MI300X/MI325X gfx942, MI350X/MI355X gfx950)
 behind the adapter, so their weight layouts are prepared once and can never be mismatched.
 
-Which AITER path runs, and why not when it cannot, comes from aiter_capability's table;
-the kernels are reached through aiter_kernels' custom ops, which reach AITER through
-aiter_ops (the installed AITER on ROCm, or whatever `AiterOps` this backend was given).
+Which AITER path runs, and why not when it cannot, comes from capability's table;
+the kernels are reached through kernels' custom ops, which reach AITER through
+ops (the installed AITER on ROCm, or whatever `AiterOps` this backend was given).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Mapping
 
 import torch
 
-from ..backend import Backend, Platform, register_backend
-from ..errors import BackendUnavailableError
-from ..layout import Layout
-from ..spec import MoESpec
-from . import aiter_kernels  # noqa: F401  (registers the custom ops)
-from .aiter_capability import AiterPlan, aiter_plan
-from .aiter_ops import AiterOps, RocmAiter, bind_ops, bound_ops
+from ...backend import Backend, Platform, register_backend
+from ...errors import BackendUnavailableError
+from ...layout import Layout
+from ...spec import MoESpec
+from . import kernels  # noqa: F401  (registers the custom ops)
+from .capability import AiterPlan, aiter_plan
+from .ops import AiterOps, RocmAiter, bind_ops, bound_ops
 
 
 class AiterBackend(Backend):
