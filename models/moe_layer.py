@@ -113,8 +113,8 @@ def _activation(moe_config) -> mo.Activation:
     if act == MoEActivation.GELU:
         return mo.Activation.gelu()
     if act == MoEActivation.SITU and moe_config.activation_situ_beta is not None:
-        linear = moe_config.activation_situ_linear_beta
-        return mo.Activation.situ(moe_config.activation_situ_beta, linear if linear is not None else 25.0)
+        # linear_beta None: upstream leaves `up` unclipped (SituAndMul), and so does the adapter
+        return mo.Activation.situ(moe_config.activation_situ_beta, moe_config.activation_situ_linear_beta)
     raise NotMapped(f"activation {act.value!r} is not mapped to the adapter yet")
 
 

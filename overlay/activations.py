@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -17,8 +19,11 @@ def gelu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """Kimi-K3's SiTU: beta*tanh(g/beta)*sigmoid(g) * betaL*tanh(u/betaL)."""
+    """Kimi-K3's SiTU: beta*tanh(g/beta)*sigmoid(g) * betaL*tanh(u/betaL); an infinite betaL
+    (unset) leaves u unclipped."""
     gated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if math.isinf(linear_beta):
+        return gated * up
     return gated * (linear_beta * torch.tanh(up / linear_beta))
 
 

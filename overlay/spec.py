@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +44,15 @@ class Activation:
         return cls("gelu")
 
     @classmethod
-    def situ(cls, beta: float = 4.0, linear_beta: float = 25.0) -> Activation:
-        return cls("situ", (float(beta), float(linear_beta)))
+    def situ(cls, beta: float = 4.0, linear_beta: float | None = 25.0) -> Activation:
+        """Kimi's SiTU; `linear_beta` None (upstream's "unset") leaves `up` unclipped, stored as
+        infinity: the limit of linear_beta * tanh(up / linear_beta)."""
+        return cls("situ", (float(beta), math.inf if linear_beta is None else float(linear_beta)))
+
+    @property
+    def clips_up(self) -> bool:
+        """SiTU with a finite linear_beta (up softly clipped); False for every other activation."""
+        return self.kind == "situ" and math.isfinite(self.param("linear_beta"))
 
     @classmethod
     def swiglu_clamped(cls, alpha: float = 1.702, limit: float = 7.0) -> Activation:

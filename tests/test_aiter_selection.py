@@ -66,6 +66,8 @@ REJECTIONS = [  # (spec, arch, AITER contract, part of the reason)
     (KIMI, "gfx950", "installed", f"the installed AITER {installed_contract().version} lacks ActivationType.Situv2, "
      "fused_moe(beta=), fused_moe(linear_beta=), FlyDSL, which its mxfp4 a16w4 situ needs"),
     (_layer(256, 128, 2, quant=MXFP4), "gfx950", "main", "mxfp4 a16w4 fused MoE runs situ; this layer uses silu"),
+    (_layer(256, 128, 2, mo.Activation.situ(4.0, None), quant=MXFP4), "gfx950", "main",
+     "AITER's Situv2 clips up with linear_beta; this layer leaves up unclipped (linear_beta unset)"),
     (_layer(256, 128, 1, SITU, True, quant=MXFP4), "gfx950", "main", "cannot apply the router weight to the input"),
     (_layer(256, 128, 2, SITU, expert_map=(0, 1, 2, 3, -1, -1, -1, -1), quant=MXFP4), "gfx950", "main",
      "mxfp4 a16w4 fused MoE has no expert parallelism"),

@@ -118,6 +118,23 @@ def test_spec_maps_situ_and_the_expert_map():
     assert spec.expert_map == (-1, 0, -1, 1) and spec.num_local_experts == 2
 
 
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_computes_upstreams_situ_and_mul(linear_beta):
+    """Upstream clips `up` only when activation_situ_linear_beta is set (SituAndMul: linear_beta None
+    passes `up` through); the adapter's SiTU equals upstream's own op on the same gate/up values."""
+    from vllm.model_executor.layers.activation import SituAndMul
+
+    from moe_overlay.activations import apply_gated
+    from tests.vllm_layers import vllm_context
+
+    cfg = _moe_config(activation=MoEActivation.SITU, activation_situ_beta=4.0, activation_situ_linear_beta=linear_beta)
+    activation = moe_layer.spec_from_layer(_layer(cfg), _upstream(cfg)).activation
+    gate_up = torch.randn(6, 2 * I, generator=torch.Generator().manual_seed(3)) * 40  # |up| well past 25
+    with vllm_context():
+        expected = SituAndMul(4.0, linear_beta).forward_native(gate_up)
+    torch.testing.assert_close(apply_gated(activation, gate_up), expected)
+
+
 def test_reload_restores_before_writing_so_nothing_is_shuffled_twice(upstream, monkeypatch):
     """A partial weight update (one expert) on a shuffled layer must give exactly the
     result of a fresh load of the updated weights."""

@@ -104,3 +104,13 @@ def test_kimi_mxfp4_on_nvidia_runs_on_triton(monkeypatch):
     monkeypatch.setattr(triton_backend, "triton_installed", lambda: True)
     sel = mo.select_backend(KIMI_MXFP4, mo.Platform("cuda", "nvidia", "sm_90"))
     assert sel.backend.name == "triton" and "aiter: needs ROCm" in sel.reason
+
+
+def test_situ_with_up_unclipped_is_not_offered_to_triton(monkeypatch):
+    """Its kernel computes linear_beta * tanh(up / linear_beta) (NaN for an unset, infinite linear_beta)."""
+    from moe_overlay.backends.triton_moe import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: True)
+    spec = mo.MoESpec(8, 256, 128, 2, mo.Activation.situ(4.0, None), quant=mo.QuantSpec("mxfp4"))
+    why = triton_backend.TritonBackend().unsupported_reason(spec, mo.Platform("cuda", "nvidia", "sm_90"))
+    assert why == "situ with up unclipped (linear_beta unset) is not implemented"

@@ -159,6 +159,10 @@ def _check_options(spec: MoESpec, path: AiterPath, features: AiterFeatures, env:
         if local != sorted(local):
             raise BackendUnavailableError(
                 "AITER numbers a rank's experts in global order (expert_mask); this expert_map orders them otherwise")
+    if spec.activation.kind == "situ" and not spec.activation.clips_up:
+        # vLLM takes AITER's SiTU only with linear_beta set too (mxfp4.py's gfx950 check)
+        raise BackendUnavailableError(
+            "AITER's Situv2 clips up with linear_beta; this layer leaves up unclipped (linear_beta unset)")
     aiter_act, params = ACTIVATIONS[spec.activation.kind]
     needed = (f"ActivationType.{aiter_act}", *(f"fused_moe({p}=)" for p in params), *path.needs)
     missing = [n for n in needed if n not in features.names]

@@ -42,6 +42,8 @@ class TritonBackend(Backend):
             return f"needs sm_80 or newer for bf16 tensor cores; this GPU is {platform.arch}"
         if spec.activation.kind not in ACTIVATIONS:
             return f"activation {spec.activation.kind} is not implemented (only {', '.join(ACTIVATIONS)})"
+        if spec.activation.kind == "situ" and not spec.activation.clips_up:
+            return "situ with up unclipped (linear_beta unset) is not implemented"
         if spec.has_bias:
             return "expert biases are not implemented"
         if spec.dtype == torch.float32:
