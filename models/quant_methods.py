@@ -149,7 +149,8 @@ def _ct_fp8_spec(method) -> mo.QuantSpec:
     if w.strategy == S.CHANNEL:  # upstream allows only dynamic per-token activations with these
         return mo.QuantSpec("fp8", "channel", activations="fp8_token")
     if w.strategy == S.TENSOR:
-        return mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
+        # upstream quantises dynamic tensor-strategy activations in 1x128 groups (kFp8Dynamic128Sym)
+        return mo.QuantSpec("fp8", "tensor", activations="fp8_block")
     block = _block(method.weight_block_size)
     if a.strategy != S.GROUP or a.group_size != block[1]:
         raise NotMapped(f"compressed-tensors fp8 block {list(block)} weights with {a.strategy} activations "
@@ -210,7 +211,7 @@ QUANT_METHODS: dict[str, QuantMapper] = {
         "compressed-tensors fp8 w8a8 (per-channel, per-tensor or block weights)", _ct_fp8_spec, _ct_fp8_tensors,
         params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
         mentions=("self.weight_quant", "self.input_quant", "self.weight_block_size", '"w13_weight"', '"w2_weight"',
-                  '"w13_weight_scale"', '"w2_weight_scale"'),
+                  '"w13_weight_scale"', '"w2_weight_scale"', "kFp8Dynamic128Sym"),
     ),
     CT_W4A4_MXFP4: QuantMapper(
         "compressed-tensors mxfp4-pack-quantized (e2m1, e8m0 scale per 32)", _ct_mxfp4_spec, _ct_mxfp4_tensors,

