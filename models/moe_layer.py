@@ -28,6 +28,10 @@ from .describe_table import format_table
 from .quant_methods import NotMapped, canonical_tensors, mapper_for
 from .vllm_backend import VllmBackend, upstream_kernel_name
 
+# Upstream's mark of a layer whose online-quantised weights were processed (its online methods set it,
+# vLLM's layerwise loader deletes it before processing a layer again).
+ONLINE_PROCESSED = "_already_called_process_weights_after_loading"
+
 __all__ = ["NotMapped", "OverlayMoEMethod", "OverlayRoutedExperts", "adapter_scope", "spec_from_layer"]
 
 
@@ -198,6 +202,13 @@ class OverlayMoEMethod(FusedMoEMethodBase):
     def mk_can_overlap_shared_experts(self) -> bool:
         return False  # the runner runs the shared experts; apply never calls them
 
+    @property
+    def uses_meta_device(self) -> bool:  # type: ignore[override]
+        """Online quantisation: upstream's method creates the bf16 weights on the meta device and
+        vLLM's layerwise loader processes the layer once its weights are in; the model loader reads
+        this to finish such layers, and to accept scales that no checkpoint carries."""
+        return self.upstream.uses_meta_device
+
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
         self.upstream.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
@@ -212,6 +223,8 @@ class OverlayMoEMethod(FusedMoEMethodBase):
         return self.upstream.get_fused_moe_quant_config(layer)
 
     def process_weights_after_loading(self, layer) -> None:
+        if self.uses_meta_device and getattr(layer, ONLINE_PROCESSED, False):
+            return  # the layerwise loader processed it (it clears the flag first): the model loader's pass
         # Views of upstream's parameters (weights and scales) in canonical form, never copies.
         tensors = canonical_tensors(self.upstream, layer, self.spec)
         if self.prepared is None:
@@ -232,6 +245,8 @@ class OverlayMoEMethod(FusedMoEMethodBase):
             self.prepared.tensors.update(tensors)
             self.prepared.mark_reloaded()
         self.prepared.prepare()
+        if self.uses_meta_device:
+            setattr(layer, ONLINE_PROCESSED, True)
         self.record.mark_ready()
 
     def restore_before_write(self) -> None:

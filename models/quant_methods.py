@@ -11,7 +11,8 @@ format until someone maps it). Its mapper says
   biases, see `moe_overlay.checks.canonical_shapes`) as views of the parameters that upstream's
   `create_weights` made and its loader filled. Never a copy of the weights: only scale reshapes
   (`[E, N, 1] -> [E, N]`) and, for per-tensor fp8, a merge of the w1/w3 scales done in place
-  (as upstream's own post-processing does; see `_merge_w13_tensor_scales`).
+  (as upstream's own post-processing does; see `_merge_w13_tensor_scales`). Online quantisation
+  (a bf16 checkpoint served as fp8) quantises the loaded parameters in place, as upstream would.
 
 Every class path and parameter name below has a contract entry in `patches/ledger.py`
 (`quant_method_expectations`), so an upstream rename refuses to start instead of falling
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 import moe_overlay as mo
-from moe_overlay.quant import fp8_max
+from moe_overlay.quant import fp8_max, quantize_fp8_tensor
 from moe_overlay.spec import MXFP4_GROUP
 
 
@@ -39,6 +40,7 @@ Tensors = dict[str, torch.Tensor]
 
 UNQUANTIZED = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
 FP8 = "vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod"
+FP8_ONLINE = "vllm.model_executor.layers.quantization.online.fp8:Fp8PerTensorOnlineMoEMethod"
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
 CT_W8A8_FP8 = f"{_CT_MOE}.compressed_tensors_moe_w8a8_fp8:CompressedTensorsW8A8Fp8MoEMethod"
 CT_W4A4_MXFP4 = f"{_CT_MOE}.compressed_tensors_moe_w4a4_mxfp4:CompressedTensorsW4A4Mxfp4MoEMethod"
@@ -114,6 +116,12 @@ def _merge_w13_tensor_scales(w13: torch.Tensor, scales: torch.Tensor) -> torch.T
     return scales[:, 0]
 
 
+def _dynamic_tensor_activations(method) -> str:
+    """Dynamic per-tensor fp8 activations, or per token where upstream asks for batch invariance
+    (vLLM 0.33's VLLM_BATCH_INVARIANT sets the method's per_act_token_quant)."""
+    return "fp8_token" if getattr(method, "per_act_token_quant", False) else "fp8_tensor"
+
+
 def _fp8_spec(method) -> mo.QuantSpec:
     if method.block_quant:
         # With a TP shard that is not a whole number of checkpoint blocks upstream refines the
@@ -124,7 +132,7 @@ def _fp8_spec(method) -> mo.QuantSpec:
     if method.quant_config.activation_scheme != "dynamic":
         raise NotMapped("fp8 per-tensor with static activation scales (activation_scheme 'static') "
                         "is not modelled by the adapter (it quantises activations dynamically)")
-    return mo.QuantSpec("fp8", "tensor", activations="fp8_tensor")
+    return mo.QuantSpec("fp8", "tensor", activations=_dynamic_tensor_activations(method))
 
 
 def _fp8_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
@@ -133,6 +141,37 @@ def _fp8_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
         return {"w13": w13, "w2": w2, "w13_scale": layer.w13_weight_scale_inv,
                 "w2_scale": layer.w2_weight_scale_inv}
     return {"w13": w13, "w2": w2, "w13_scale": _merge_w13_tensor_scales(w13, layer.w13_weight_scale),
+            "w2_scale": layer.w2_weight_scale}
+
+
+# -- online fp8: a bf16 checkpoint quantised once loaded (`--quantization fp8` / `fp8_per_tensor`) --------
+
+
+def _fp8_online_spec(method) -> mo.QuantSpec:
+    return mo.QuantSpec("fp8", "tensor", activations=_dynamic_tensor_activations(method))
+
+
+def _fp8_online_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    """Upstream loads the bf16 weights, then quantises each expert's w13 (w1 and w3 together) and
+    w2 to fp8 with one scale each, amax / fp8 max, the amax taken over the ranks that shard the
+    expert (`amax_for_moe_weight_quant`). The adapter does the same once the layer is loaded: the
+    parameters then hold fp8 and the scales sit beside them under upstream's names, and a reload
+    (bf16 again) is quantised the same way."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_moe_weight_quant, weight_amax
+
+    dtype = spec.quant.fp8_dtype
+    for name in ("w13", "w2"):
+        weight = getattr(layer, f"{name}_weight")
+        if weight.dtype == dtype:
+            continue  # already quantised (upstream's flag keeps a second pass away; see OverlayMoEMethod)
+        amax = amax_for_moe_weight_quant(weight_amax(weight.flatten(1), dim=-1), method.moe.tp_size)
+        quantised = torch.empty_like(weight, dtype=dtype)
+        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        for e in range(weight.shape[0]):  # one expert at a time: its fp32 copy only
+            quantised[e : e + 1], scale[e : e + 1] = quantize_fp8_tensor(weight[e : e + 1], amax[e : e + 1], dtype)
+        weight.data = quantised
+        layer.register_parameter(f"{name}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
+    return {"w13": layer.w13_weight, "w2": layer.w2_weight, "w13_scale": layer.w13_weight_scale,
             "w2_scale": layer.w2_weight_scale}
 
 
@@ -206,6 +245,13 @@ QUANT_METHODS: dict[str, QuantMapper] = {
         mentions=("self.block_quant", "self.weight_block_size", "self.moe_block_shape", "self.weight_scale_refine",
                   "self.quant_config", '"weight_scale_inv"', '"weight_scale"', 'f"w13_{self.weight_scale_name}"',
                   'f"w2_{self.weight_scale_name}"', '"w13_weight"', '"w2_weight"'),
+    ),
+    FP8_ONLINE: QuantMapper(
+        "bf16 quantised to fp8 per tensor while loading (--quantization fp8 / fp8_per_tensor)",
+        _fp8_online_spec, _fp8_online_tensors,
+        params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+        mentions=("weight_amax(", ".flatten(1)", "amax_for_moe_weight_quant(", "self.moe.tp_size",
+                  "_already_called_process_weights_after_loading"),
     ),
     CT_W8A8_FP8: QuantMapper(
         "compressed-tensors fp8 w8a8 (per-channel, per-tensor or block weights)", _ct_fp8_spec, _ct_fp8_tensors,

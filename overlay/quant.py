@@ -47,6 +47,15 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, quant: QuantSpec) 
     return w * expand_block_scale(s, w.shape[-2], w.shape[-1], quant.block)
 
 
+def quantize_fp8_tensor(
+    weight: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[E, N, K]` with each expert's amax `[E]` -> (fp8 weight, scale `[E]` = amax / fp8 max)."""
+    fmax = fp8_max(dtype)
+    scale = (amax.float() / fmax).clamp_min(1e-12)
+    return (weight.float() / scale.reshape(-1, 1, 1)).clamp(-fmax, fmax).to(dtype), scale
+
+
 def quantize_fp8(
     weight: torch.Tensor, quant: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +64,7 @@ def quantize_fp8(
     w = weight.float()
     fmax = fp8_max(dtype)
     if quant.granularity == "tensor":
-        amax = w.abs().amax(dim=(-2, -1))
-        scale = (amax / fmax).clamp_min(1e-12)
-        return (w / scale.reshape(-1, 1, 1)).clamp(-fmax, fmax).to(dtype), scale
+        return quantize_fp8_tensor(w, w.abs().amax(dim=(-2, -1)), dtype)
     if quant.granularity == "channel":
         scale = (w.abs().amax(dim=-1) / fmax).clamp_min(1e-12)
         return (w / scale.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype), scale

