@@ -130,6 +130,11 @@ def spec_from_layer(layer: RoutedExperts, upstream: FusedMoEMethodBase) -> mo.Mo
     except NotMapped as why:
         raise NotMapped(f"{mapper.format}: {why}") from None
     cfg = layer.moe_config
+    fused = layer.expert_map_manager.num_fused_shared_experts
+    if fused:
+        raise NotMapped(f"AITER's fused shared experts (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS): {fused} shared "
+                        f"expert(s) run as routed experts {cfg.num_experts}..{cfg.num_experts + fused - 1}, which the "
+                        "adapter does not model")
     expert_map = getattr(layer, "_expert_map", None)
     return mo.MoESpec(
         num_experts=cfg.num_experts,

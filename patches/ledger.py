@@ -58,6 +58,10 @@ LEDGER: tuple[Hook, ...] = (
             Expect(f"{METHOD_BASE}.process_weights_after_loading", ("self", "layer")),
             Expect(f"{METHOD_BASE}.get_fused_moe_quant_config", ("self", "layer")),
             Expect(f"{FUSED_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod", subclass_of=METHOD_BASE),
+            # AITER's fused shared experts (one more local expert a layer) are refused by name: read here
+            Expect(f"{ROUTED}.__init__", mentions=("self.expert_map_manager = expert_map_manager",)),
+            Expect(f"{FUSED_MOE}.expert_map_manager:ExpertMapManager.__init__",
+                   mentions=("self.num_fused_shared_experts",)),
             Expect(f"{FUSED_MOE}.config:FusedMoEConfig",
                    fields=("num_experts", "num_local_experts", "experts_per_token", "hidden_dim",
                            "intermediate_size_per_partition", "activation", "in_dtype", "has_bias")),

@@ -47,6 +47,7 @@ def _layer(cfg, expert_map=None):
     layer.moe_config = cfg
     layer.apply_router_weight_on_input = False
     layer._expert_map = expert_map
+    layer.expert_map_manager = SimpleNamespace(num_fused_shared_experts=0)
     layer.layer_name = "model.layers.0.mlp.experts"
     return layer
 
@@ -108,6 +109,25 @@ def test_unmapped_layers_fall_back_to_vllm_or_fail_in_strict_mode(upstream, monk
         monkeypatch.setenv("MOE_OVERLAY_STRICT", "1")
         with pytest.raises(mo.BackendUnavailableError, match=r"l0: activation 'relu2' is not mapped.*strict"):
             _layer(upstream.moe)._get_quant_method("l0", None, upstream.moe)
+
+
+def test_aiters_fused_shared_experts_are_refused_by_name(upstream, monkeypatch):
+    """VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS gives the layer its shared expert as one more local
+    expert (DeepSeek-V3: 257 for 256): the adapter does not model it, so the layer is refused while it
+    is built (strict) or left on vLLM's kernel (auto), never loaded into a spec of the wrong size."""
+    monkeypatch.setenv("MOE_OVERLAY_BACKEND", "torch")
+    monkeypatch.setenv("MOE_OVERLAY_STRICT", "1")
+    layer = _layer(upstream.moe)
+    layer.expert_map_manager.num_fused_shared_experts = 1
+    with adapter_scope("TestForCausalLM"), pytest.raises(
+            mo.BackendUnavailableError,
+            match=r"^l0: AITER's fused shared experts \(VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS\): 1 shared "
+                  r"expert\(s\) run as routed experts 4\.\.4, which the adapter does not model"):
+        layer._get_quant_method("l0", None, upstream.moe)
+    monkeypatch.setenv("MOE_OVERLAY_BACKEND", "auto")
+    with adapter_scope("TestForCausalLM"):
+        assert layer._get_quant_method("l0", None, upstream.moe) is upstream
+    assert describe_rows()[-1]["backend"] == "vllm"
 
 
 def test_spec_maps_situ_and_the_expert_map():

@@ -79,6 +79,9 @@ def test_tiny_config_resolves(tmp_path, monkeypatch):
          r"env\.VLLM_ROCM_USE_AITER_MOE: has no effect unless VLLM_ROCM_USE_AITER=1 is set too"),
         ({"env": {"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_MOE": 1}},
          r"env\.VLLM_ROCM_USE_AITER_MOE: conflicts with moe\.backend=torch"),
+        ({"env": {"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": 1}},
+         r"env\.VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS: makes AITER run the shared experts as routed ones "
+         r"\(DeepSeek-V3: 257 local experts for the checkpoint's 256\), which moe\.backend=torch does not model"),
         ({"env": {"VLLM_PLUGINS": "x"}}, r"env\.VLLM_PLUGINS: is set by moe-overlay"),
         ({"env": {"A": [1]}}, r"env\.A: must be a string or number, got \[1\]"),
         ({"accuracy": {"gsm8k": 0.9}}, r"accuracy: unknown section \(known: model, moe, parallel, server, nodes, "),
@@ -119,8 +122,9 @@ def test_gsm8k_gate_is_published_less_three_standard_errors():
 
 
 def test_vllm_backend_keeps_upstream_aiter_switches(tmp_path):
-    path = _variant(tmp_path, moe={"backend": "vllm"}, env={"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_MOE": 1})
-    assert load(path).env["VLLM_ROCM_USE_AITER_MOE"] == "1"
+    env = {"VLLM_ROCM_USE_AITER": 1, "VLLM_ROCM_USE_AITER_MOE": 1, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": 1}
+    dep = load(_variant(tmp_path, moe={"backend": "vllm"}, env=env))
+    assert dep.env["VLLM_ROCM_USE_AITER_MOE"] == dep.env["VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"] == "1"
 
 
 def test_flags_and_relative_model_paths(tmp_path):

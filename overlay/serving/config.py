@@ -42,6 +42,7 @@ NODE_FLAGS = ("data-parallel-size-local", "data-parallel-address", "data-paralle
               "data-parallel-start-rank", "headless", "nnodes", "node-rank", "master-addr")
 AITER_MASTER = "VLLM_ROCM_USE_AITER"
 AITER_MOE = "VLLM_ROCM_USE_AITER_MOE"
+AITER_FUSED_SHARED = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
 API_KEY_ENV = "VLLM_API_KEY"  # the server's key: from server.api_key or the caller's environment, never printed
 
 
@@ -322,6 +323,11 @@ def _env(source: Path, raw: dict[str, Any], backend: str) -> dict[str, str]:
         raise _fail(source, f"env.{AITER_MOE}",
                     f"conflicts with moe.backend={backend}: moe.backend picks the MoE kernel "
                     f"(use moe.backend: aiter, or moe.backend: vllm to keep vLLM's own AITER path)")
+    if env.get(AITER_FUSED_SHARED) in ("1", "true") and backend != "vllm":
+        raise _fail(source, f"env.{AITER_FUSED_SHARED}",
+                    f"makes AITER run the shared experts as routed ones (DeepSeek-V3: 257 local experts for the "
+                    f"checkpoint's 256), which moe.backend={backend} does not model: set it to 0, or use "
+                    f"moe.backend: vllm to keep vLLM's own AITER path")
     return env
 
 
