@@ -44,6 +44,7 @@ FP8_ONLINE = "vllm.model_executor.layers.quantization.online.fp8:Fp8PerTensorOnl
 _CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
 CT_W8A8_FP8 = f"{_CT_MOE}.compressed_tensors_moe_w8a8_fp8:CompressedTensorsW8A8Fp8MoEMethod"
 CT_W4A4_MXFP4 = f"{_CT_MOE}.compressed_tensors_moe_w4a4_mxfp4:CompressedTensorsW4A4Mxfp4MoEMethod"
+MXFP4 = "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod"
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,30 @@ def _ct_mxfp4_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
             "w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale}
 
 
+# -- mxfp4 (quant_method 'mxfp4'; Kimi-K3's compressed-tensors experts, which vLLM rewrites to it) ----
+
+
+def _mxfp4_spec(method) -> mo.QuantSpec:
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import _backend_activation_key
+
+    if method.is_k3_situ_int4_gfx942:
+        raise NotMapped("mxfp4 requantised to int4 while loading (--quantization-config.moe.weight "
+                        "int4_per_group_32) is not modelled by the adapter (it runs the checkpoint's mxfp4)")
+    activations = _backend_activation_key(method.mxfp4_backend)
+    if activations is not None:
+        raise NotMapped(f"mxfp4 with {activations} activations (upstream's {method.mxfp4_backend.value} kernel on "
+                        "this GPU) is not modelled by the adapter (weight-only mxfp4)")
+    return mo.QuantSpec("mxfp4")
+
+
+def _mxfp4_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
+    # The checkpoint's bytes as they are (upstream's Kimi-K3 loader puts compressed-tensors'
+    # weight_packed into w13_weight/w2_weight): the adapter's canonical mxfp4, as for the table's
+    # compressed-tensors entry.
+    return {"w13": layer.w13_weight, "w2": layer.w2_weight,
+            "w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale}
+
+
 QUANT_METHODS: dict[str, QuantMapper] = {
     UNQUANTIZED: QuantMapper(
         "unquantised", lambda method: mo.QuantSpec(), _unquantized_tensors,
@@ -264,5 +289,12 @@ QUANT_METHODS: dict[str, QuantMapper] = {
         params=("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"),
         mentions=("self.group_size", "self.use_cutlass_mxfp4", '"w13_weight_packed"', '"w2_weight_packed"',
                   '"w13_weight_scale"', '"w2_weight_scale"'),
+    ),
+    MXFP4: QuantMapper(
+        "mxfp4 (quant_method 'mxfp4', e2m1 with an e8m0 scale per 32; Kimi-K3's compressed-tensors experts)",
+        _mxfp4_spec, _mxfp4_tensors,
+        params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+        mentions=("self.mxfp4_backend", "self.is_k3_situ_int4_gfx942", '"w13_weight"', '"w2_weight"',
+                  '"w13_weight_scale"', '"w2_weight_scale"', "mxfp4_block = 32"),
     ),
 }

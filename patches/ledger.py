@@ -95,6 +95,8 @@ LEDGER: tuple[Hook, ...] = (
                    mentions=('"_already_called_process_weights_after_loading"',
                              "quant_method.process_weights_after_loading")),
             Expect("vllm.model_executor.model_loader.base_loader:_has_online_quant", mentions=("uses_meta_device",)),
+            # mxfp4: whether upstream's kernel for the layer quantises the activations (None: bf16)
+            Expect(f"{FUSED_MOE}.oracle.mxfp4:_backend_activation_key", ("backend",)),
             Expect("compressed_tensors.quantization:QuantizationStrategy", fields=("CHANNEL", "TENSOR", "GROUP")),
             Expect("compressed_tensors.quantization:QuantizationArgs",  # a pydantic model: its field lines
                    mentions=("strategy:", "dynamic:", "group_size:")),

