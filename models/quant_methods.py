@@ -240,7 +240,7 @@ def _ct_mxfp4_tensors(method, layer, spec: mo.MoESpec) -> Tensors:
 def _mxfp4_spec(method) -> mo.QuantSpec:
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import _backend_activation_key
 
-    if method.is_k3_situ_int4_gfx942:
+    if getattr(method, "is_k3_situ_int4_gfx942", False):  # vLLM 0.32's opt-in; 0.31 has none
         raise NotMapped("mxfp4 requantised to int4 while loading (--quantization-config.moe.weight "
                         "int4_per_group_32) is not modelled by the adapter (it runs the checkpoint's mxfp4)")
     activations = _backend_activation_key(method.mxfp4_backend)
@@ -294,7 +294,7 @@ QUANT_METHODS: dict[str, QuantMapper] = {
         "mxfp4 (quant_method 'mxfp4', e2m1 with an e8m0 scale per 32; Kimi-K3's compressed-tensors experts)",
         _mxfp4_spec, _mxfp4_tensors,
         params=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
-        mentions=("self.mxfp4_backend", "self.is_k3_situ_int4_gfx942", '"w13_weight"', '"w2_weight"',
+        mentions=("self.mxfp4_backend", '"w13_weight"', '"w2_weight"',
                   '"w13_weight_scale"', '"w2_weight_scale"', "mxfp4_block = 32"),
     ),
 }

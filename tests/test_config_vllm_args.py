@@ -3,17 +3,21 @@ vLLM's own `vllm serve` parser accepts; `config check` and `config export-recipe
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import vllm
 import yaml
 
+from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.config import ConfigError, load
 from moe_overlay.serving.recipe import STRATEGIES, dump, recipe
 from moe_overlay.serving.vllm_args import check_deployment, check_flags, server_flags
+from tests.lanes import assert_config_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -84,8 +88,27 @@ def test_config_check_command(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("ok   ") and lines[1] == f"FAIL {bad}: parallel.gpus: unknown key " \
                                                          "(known: tensor, pipeline, data, expert)"
-    result = _cli("config", "check", *map(str, REAL[:2]))
-    assert result.returncode == 0 and result.stdout.count("parses every node's command line") == 2, result.stdout
+    result = _cli("config", "check", *map(str, CONFIGS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_config_check(result.stdout, CONFIGS, vllm.__version__)
+
+
+def test_config_check_fails_a_strict_deployment_whose_moe_quant_method_is_not_mapped(tmp_path):
+    """fp8 with static activation scales (quantization_config in the checkpoint's config.json): strict
+    refuses it at start-up, and config check says so first, naming upstream's method and why."""
+    checkpoint = tmp_path / "static-fp8"
+    checkpoint.mkdir()
+    config = json.loads((ensure_builtin("tiny-mixtral") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    deployment = tmp_path / "static.yaml"
+    deployment.write_text(f"model: {{path: {checkpoint}, dtype: bfloat16}}\nmoe: {{backend: torch, strict: true}}\n")
+    result = _cli("config", "check", str(deployment))
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[-1] == (
+        f"FAIL {deployment}: moe.backend: torch with moe.strict stops at start-up: vLLM {vllm.__version__} gives the "
+        f"MoE layers of {checkpoint}: Fp8MoEMethod, not mapped: fp8 per-tensor with static activation scales "
+        "(activation_scheme 'static') is not modelled by the adapter (it quantises activations dynamically)")
 
 
 @pytest.mark.parametrize("config", REAL, ids=[c.stem for c in REAL])

