@@ -90,16 +90,20 @@ clean:
 
 # GPU lane (CUDA or ROCm machine with torch and triton already installed; see README).
 # Both install this checkout into that Python first (editable, no dependencies).
+# TARGET=gfx942|gfx950 on an NVIDIA GPU: target mode, the GPU standing in for that AMD target
+# (only the kernels, layouts and launch table the target would run, fitted to its LDS).
+TARGET ?=
+GPU_ENV = $(if $(TARGET),MOE_OVERLAY_TRITON_TARGET=$(TARGET))
 .PHONY: test-gpu bench-gpu gpu-install
 gpu-install:
 	$(PYTHON) -m pip install --no-deps --no-build-isolation -q -e .
 
 test-gpu: gpu-install
-	MOE_OVERLAY_GPU_LANE=1 $(PYTHON) -m pytest -m gpu -p no:cacheprovider
+	$(GPU_ENV) MOE_OVERLAY_GPU_LANE=1 $(PYTHON) -m pytest -m gpu -p no:cacheprovider
 
 # WEIGHTS: bf16 (default; the four models), fp8-block (DeepSeek-V3, Kimi-K3), mxfp4 (Kimi-K3),
 # fp8-channel-token (Maverick), or fp16, fp8-tensor, fp8-channel; BENCH_ARGS, e.g.
 # "--model Kimi-K3 --tokens 1,8192 --markdown table.md". It exits 2 where a layer beats its floor.
 WEIGHTS ?= bf16
 bench-gpu: gpu-install
-	$(PYTHON) -m moe_overlay.backends.triton_moe.bench --weights $(WEIGHTS) $(BENCH_ARGS)
+	$(GPU_ENV) $(PYTHON) -m moe_overlay.backends.triton_moe.bench --weights $(WEIGHTS) $(BENCH_ARGS)

@@ -25,6 +25,7 @@ import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
+from moe_overlay.backends.triton_moe.target import current_target  # noqa: E402
 from moe_overlay.layout import to_layout  # noqa: E402
 from tests.absent_gpu import AbsentGpu  # noqa: E402
 
@@ -53,7 +54,8 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     """What the backend launches on an untuned AMD GPU (the default configs, as launch_config
     gives them there: fitted to the target's shared memory), and the other kernels and tilings
     the tuner can pick, fitted alike."""
-    tiny, general, wide = (launch.launch_config(layer.shape, x.device, m) for m in (1, 64, 1024))
+    target = current_target()
+    tiny, general, wide = (launch.launch_config(layer.shape, x.device, m, target) for m in (1, 64, 1024))
     # the one-token down as an H200 entry may ask for it: started by programmatic dependent launch,
     # an NVIDIA feature, which AMD launches leave out (Triton's HIP options have no launch_pdl)
     tiny = dataclasses.replace(tiny, down=dataclasses.replace(tiny.down, pdl=True))

@@ -28,6 +28,7 @@ from moe_overlay.backends.reference import reference_moe
 from moe_overlay.backends.triton_moe import backend as triton_backend
 from moe_overlay.backends.triton_moe import configs
 from moe_overlay.backends.triton_moe.bench import grouped_mm_experts, relative_error
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, INTERPRETER, nvidia_target
 from moe_overlay.backends.triton_moe.tune import (
     COMPILE_CHUNK,
     REG_BUDGET,
@@ -43,6 +44,7 @@ from moe_overlay.layout import mx_unwords, mx_words, to_canonical, to_layout
 from moe_overlay.quant import dequantize_mxfp4, quantize_fp8
 
 H100 = mo.Platform("cuda", "nvidia", "sm_90")
+H200 = nvidia_target(90)  # the tuner's target on an H200: 227 KiB of shared memory a program
 SPEC = mo.MoESpec(8, 256, 128, 2)
 FP8_BLOCK = mo.QuantSpec("fp8", "block", (128, 128), "e4m3fn", "fp8_block")
 TRITON = mo.get_backend("triton")
@@ -233,18 +235,22 @@ def test_fake_gives_the_output_shape_without_triton():
 # -- launch configurations -------------------------------------------------------------------
 
 
-def _on_target(target, fn, *args):
-    """fn(*args) with Triton's driver set to `target`, a GPU that is not here (launch's choices
-    that depend on what the kernels compile for)."""
-    from triton.runtime.driver import driver
+GFX942 = AMD_TARGETS["gfx942"]
+ADA = nvidia_target(89)
 
-    from tests.absent_gpu import AbsentGpu
 
-    driver.set_active(AbsentGpu(target, 0))
-    try:
-        return fn(*args)
-    finally:
-        driver.set_active(None)
+def _kernel(step, layer, config, tiny=False, target=H200):
+    """The kernel the plan of `layer` under `config` on `target` runs for `step` (gate_up, down)."""
+    from moe_overlay.backends.triton_moe import plan
+
+    return getattr(plan.make_plan(layer, config, tiny, target), step).kernel
+
+
+def _gluon_runs() -> bool:
+    """Whether this Triton has Gluon's Hopper calls (the plan offers Gluon kernels only then)."""
+    from moe_overlay.backends.triton_moe import plan
+
+    return plan.gluon_kernels is not None
 
 
 def _entry(block_m, block_n=64):
@@ -293,9 +299,9 @@ def test_user_files_come_from_the_environment_after_the_shipped_ones(tmp_path, m
     try:
         monkeypatch.setenv(configs.USER_FILES_ENV, str(user))
         shape = configs.LayerShape.of(SPEC)
-        config, tuned = configs.lookup(configs.current_table(), "GPU", shape, 50)
+        config, tuned = configs.lookup(configs.current_table(), ("GPU",), shape, 50)
         assert tuned and config.block_m == 64
-        assert configs.lookup(configs.current_table(), "GPU", shape, 1)[0].block_m == 16
+        assert configs.lookup(configs.current_table(), ("GPU",), shape, 1)[0].block_m == 16
     finally:
         configs._table.cache_clear()
 
@@ -308,7 +314,7 @@ def test_fp8_launches_step_one_scale_block_and_keep_programs_per_down_row_tile(t
     shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": resident} for s in shapes}})))
-    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 512, INTERPRETER) for s in shapes)
     assert bf16.down.n_split == 2 and bf16.down.block_k == 64
     assert bf16.down.n_split == 2 == fp8.down.n_split
     assert [s.down_kind(c.down) for s, c in zip(shapes, (bf16, fp8), strict=True)] == ["resident", "streamed"]
@@ -327,7 +333,7 @@ def test_resident_flag_turns_block_fp8_downs_of_small_i_resident_and_nothing_els
                                                                 ("fp8-channel", 384), ("mxfp4", 384), ("bf16", 384))]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": entry} for s in shapes}})))
-    downs = [launch.launch_config(s, torch.device("cpu"), 512).down for s in shapes]
+    downs = [launch.launch_config(s, torch.device("cpu"), 512, INTERPRETER).down for s in shapes]
     assert [d.resident for d in downs] == [True, False, False, False, False]
     assert [s.down_kind(d) for s, d in zip(shapes, downs, strict=True)] == [
         "resident", "streamed", "streamed", "streamed", "resident"]
@@ -350,7 +356,7 @@ def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads
              "down": {**_entry(48)["down"], "block_k": 256, "n_split": 2, "descriptors": True}}
     table = {"cpu": {shape.key: {"512": entry}}}
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json", table)))
-    config = launch.launch_config(shape, torch.device("cpu"), 512)
+    config = launch.launch_config(shape, torch.device("cpu"), 512, INTERPRETER)
     assert config.block_m == 48  # two row tiles, as bf16 has
     assert config.gate_up.block_k == configs.MX_MIN_K and config.down.block_k == 256
     assert config.gate_up.gemv  # mxfp4 has a gemv gate/up (it runs in tiny mode)
@@ -364,7 +370,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
 
     def gate_ups(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return [g for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+        return [g for c in candidates(points_from_args(_parse(args))[0], H200)
                 for g in c.gate_up]
 
     gemv = [g for g in gate_ups("Maverick", "bf16", 1) if g.gemv]
@@ -382,7 +388,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
     shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block", "fp8-channel")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"1": tiny} for s in shapes}})))
-    bf16, block, channel = (launch.launch_config(s, torch.device("cpu"), 1) for s in shapes)
+    bf16, block, channel = (launch.launch_config(s, torch.device("cpu"), 1, INTERPRETER) for s in shapes)
     assert bf16.gate_up.gemv and bf16.gate_up.split_k == 4
     for fp8 in (block, channel):  # their K step made the 128-wide group
         assert fp8.gate_up.gemv and fp8.gate_up.block_k == configs.FP8_STEP
@@ -392,7 +398,7 @@ def test_gemv_gate_up_is_offered_and_kept_for_tiny_points_of_every_format(tmp_pa
         entry = {**tiny, "gate_up": {**tiny["gate_up"], "block_k": block_k}}
         monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / f"k{block_k}.json",
                                                                {"cpu": {shapes[1].key: {"1": entry}}})))
-        assert launch.launch_config(shapes[1], torch.device("cpu"), 1).gate_up.block_k == step
+        assert launch.launch_config(shapes[1], torch.device("cpu"), 1, INTERPRETER).gate_up.block_k == step
     with pytest.raises(ValueError, match="steps one or two 128-wide groups, not 64"):
         launch._gate_up_gemv(*(torch.empty(1),) * 6, launch.Layer(shapes[2]), bf16.gate_up, torch.empty(1), False)
 
@@ -403,7 +409,7 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
 
     def cands(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return candidates(points_from_args(_parse(args))[0], 227 * 1024)
+        return candidates(points_from_args(_parse(args))[0], H200)
 
     def kernels(model, weights, tokens):
         return [(c.block_m, k) for c in cands(model, weights, tokens) for k in c.gate_up + c.down]
@@ -425,35 +431,33 @@ def test_weight_left_is_offered_and_kept_for_fp8_tiles_of_few_rows_only(tmp_path
     shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"64": entry} for s in shapes}})))
-    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 64) for s in shapes)
+    bf16, fp8 = (launch.launch_config(s, torch.device("cpu"), 64, INTERPRETER) for s in shapes)
     assert not (bf16.gate_up.weight_left or bf16.down.weight_left)  # no fp8 dot to turn
     assert fp8.gate_up.weight_left and fp8.down.weight_left
     assert not configs.LaunchConfig.from_json(_entry(16)).gate_up.weight_left  # entries from before it
-    # the kernels turn the dot where the entry asks, for fp8 tiles of under 64 rows, compiled for NVIDIA sm_90+
-    from triton.backends.compiler import GPUTarget
+    # the plan turns the dot where the entry asks, for fp8 tiles of under 64 rows, on Hopper (sm_90+)
+    from moe_overlay.backends.triton_moe import plan
 
-    def left(layer, cfg, rows, target):
-        return _on_target(target, launch.weight_left, layer, cfg, rows)
+    def left(layer, cfg, rows, target=H200):  # a block of `rows` rows: one row tile
+        return plan.make_plan(layer, configs.LaunchConfig(rows, cfg, cfg), False, target).gate_up.weight_left
 
-    layer, hopper = launch.Layer(shapes[1], granularity="block"), GPUTarget("cuda", 90, 32)
-    compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
-    assert left(layer, fp8.gate_up, 32, hopper) == compiled
-    assert not left(layer, fp8.gate_up, 64, hopper)
-    assert not left(layer, replace(fp8.gate_up, weight_left=False), 16, hopper)
-    assert not left(launch.Layer(shapes[0]), fp8.gate_up, 16, hopper)
-    assert not left(layer, fp8.gate_up, 16, GPUTarget("cuda", 89, 32))
-    assert not left(layer, fp8.gate_up, 16, GPUTarget("hip", "gfx942", 64))
+    layer = launch.Layer(shapes[1], granularity="block")
+    assert left(layer, fp8.gate_up, 32)
+    assert not left(layer, fp8.gate_up, 64)
+    assert not left(layer, replace(fp8.gate_up, weight_left=False), 16)
+    assert not left(launch.Layer(shapes[0]), fp8.gate_up, 16)
+    assert not left(layer, fp8.gate_up, 16, ADA)
+    assert not left(layer, fp8.gate_up, 16, GFX942)
 
 
 def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path, monkeypatch):
     pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
 
     from moe_overlay.backends.triton_moe import launch
 
     def gluon_gate_ups(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return [(c.block_m, g) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+        return [(c.block_m, g) for c in candidates(points_from_args(_parse(args))[0], H200)
                 for g in c.gate_up if g.gluon]
 
     offered = gluon_gate_ups("DeepSeek-V3", "fp8-block", 8192)
@@ -478,29 +482,27 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     shapes = [configs.LayerShape(8, 512, 256, 2, w) for w in ("bf16", "fp8-channel", "fp8-block", "mxfp4")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": entry} for s in shapes}})))
-    bf16, channel, block, mx = (launch.launch_config(s, torch.device("cpu"), 512) for s in shapes)
+    bf16, channel, block, mx = (launch.launch_config(s, torch.device("cpu"), 512, INTERPRETER) for s in shapes)
     assert not bf16.gate_up.gluon and not channel.gate_up.gluon and block.gate_up.gluon and mx.gate_up.gluon
 
-    hopper = GPUTarget("cuda", 90, 32)
-
-    def uses(layer, config, tiny=False, target=hopper):
-        return _on_target(target, launch.uses_gluon, layer, config, tiny, not tiny)  # block fp8: quantised first
+    def uses(layer, config, tiny=False, target=H200):
+        return _kernel("gate_up", layer, config, tiny, target).startswith("gluon")
 
     layer = launch.Layer(shapes[2], granularity="block")
-    compiled = isinstance(launch.kernels.gate_up_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    compiled = _gluon_runs()
     assert uses(layer, block) == compiled
     assert uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=32))) == compiled
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, block_n=256)))  # two scale blocks
     assert not uses(layer, block, tiny=True)
-    assert not _on_target(hopper, launch.uses_gluon, layer, block, False, False)  # activations not quantised first
+    assert not uses(layer, replace(block, gate_up=replace(block.gate_up, block_k=64)))  # not quantised first
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, gluon=False)))
     assert not uses(layer, replace(block, block_m=32))
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_warps=8)))
     assert not uses(layer, replace(block, gate_up=replace(block.gate_up, num_stages=1)))  # a pass needs two slots
     assert not uses(launch.Layer(configs.LayerShape(8, 384, 256, 2, "fp8-block"), granularity="block"), block)  # K
     assert not uses(launch.Layer(shapes[1], granularity="channel"), block)
-    assert not uses(layer, block, target=GPUTarget("cuda", 89, 32))
-    assert not uses(layer, block, target=GPUTarget("hip", "gfx942", 64))
+    assert not uses(layer, block, target=ADA)
+    assert not uses(layer, block, target=GFX942)
 
     # mx_words (int32 weights: NVIDIA's mxfp4 layout), the entry's block_k of 128 kept
     words = launch.Layer(shapes[3], mx_words=True)
@@ -523,24 +525,22 @@ def test_gluon_gate_up_is_offered_and_kept_for_block_fp8_and_mxfp4_only(tmp_path
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, split_k=3)), tiny=True)
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, split_k=8)), tiny=True)
     assert not uses(words, replace(mx, gate_up=replace(mx.gate_up, gemv=True)), tiny=True)
-    assert not uses(words, mx, target=GPUTarget("cuda", 89, 32))
+    assert not uses(words, mx, target=ADA)
+    assert not uses(words, mx, target=replace(GFX942, mx_words=True))
 
 
 def test_gluon_tiny_down_is_kept_for_mx_words_in_whole_tiles_and_few_routes_a_program():
     pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
     from moe_overlay.backends.triton_moe import launch
 
     down = configs.KernelConfig(128, 64, 4, 2, split_k=2, gluon=True)
     config = configs.LaunchConfig(configs.TINY_ROUTES, configs.KernelConfig(64, 64, 4, 3, split_k=2), down)
     words = launch.Layer(configs.LayerShape(8, 512, 256, 16, "mxfp4"), mx_words=True)  # top-16: 8 routes a share
 
-    def uses(layer, **changes):
-        return _on_target(GPUTarget("cuda", 90, 32), launch.uses_gluon_tiny_down, layer,
-                          replace(config, down=replace(down, **changes)))
+    def uses(layer, target=H200, **changes):
+        return _kernel("down", layer, replace(config, down=replace(down, **changes)), True, target) != "tiny"
 
-    compiled = isinstance(launch.kernels.down_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    compiled = _gluon_runs()
     assert uses(words) == compiled
     assert uses(words, block_n=256, block_k=128, num_stages=4, split_k=16) == compiled
     assert not uses(words, split_k=1)  # 16 routes a program: more than the wgmma's 8 columns
@@ -557,18 +557,16 @@ def test_gluon_tiny_down_is_kept_for_mx_words_in_whole_tiles_and_few_routes_a_pr
     one_step = launch.Layer(configs.LayerShape(8, 512, 128, 16, "mxfp4"), mx_words=True)
     assert uses(one_step) == compiled  # I of 2 K steps of 64
     assert not uses(one_step, block_k=128)  # one K step a route: Triton 3.6 fails to lower it
-    assert not _on_target(GPUTarget("cuda", 89, 32), launch.uses_gluon_tiny_down, words, config)
+    assert not uses(words, ADA)
 
 
 def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
     pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
     from moe_overlay.backends.triton_moe import launch
 
     def gluon_downs(model, weights, tokens):
         args = ["tune", "--model", model, "--weights", weights, "--tokens", str(tokens)]
-        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], H200)
                 for d in c.down if d.gluon]
 
     for tokens in (16, 1024, 8192):  # streamed, blocks of 16 to 64 rows, N tiles of two halves of whole wgmmas
@@ -588,15 +586,13 @@ def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
     config = configs.LaunchConfig(16, configs.KernelConfig(64, 64, 4, 3, gluon=True), down)
     words = launch.Layer(configs.LayerShape(8, 512, 256, 2, "mxfp4"), mx_words=True)
 
-    hopper = GPUTarget("cuda", 90, 32)
-
-    def uses(layer, config, target=hopper):
-        return _on_target(target, launch.uses_gluon_down, layer, config)
+    def uses(layer, config, target=H200):
+        return _kernel("down", layer, config, False, target).startswith("gluon")
 
     def with_down(**changes):
         return replace(config, down=replace(down, **changes))
 
-    compiled = isinstance(launch.kernels.down_kernel, launch.triton.runtime.jit.JITFunction)  # not interpreted
+    compiled = _gluon_runs()
     assert uses(words, config) == compiled
     for block_m in configs.GLUON_MX_BLOCK_MS:
         assert uses(words, replace(config, block_m=block_m)) == compiled
@@ -614,8 +610,8 @@ def test_gluon_down_is_offered_and_kept_for_streamed_mx_words_only():
     odd_i = launch.Layer(configs.LayerShape(8, 512, 320, 2, "mxfp4"), mx_words=True)
     assert uses(odd_i, config) == compiled  # I of 5 K steps of 64
     assert not uses(odd_i, with_down(block_k=128))  # 2.5 steps of 128
-    assert not uses(words, config, target=GPUTarget("cuda", 89, 32))
-    assert not uses(words, config, target=GPUTarget("hip", "gfx942", 64))
+    assert not uses(words, config, target=ADA)
+    assert not uses(words, config, target=replace(GFX942, mx_words=True))
 
 
 def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypatch):
@@ -629,7 +625,7 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypa
     assert not weight_descriptors(torch.empty(4, 64, 100, dtype=torch.bfloat16))  # 200-byte rows
     assert weight_descriptors(torch.empty(4, 64, 16, dtype=torch.float8_e4m3fn))  # 16-byte rows
     assert not weight_descriptors(torch.empty(4 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 128))
-    asked = configs.KernelConfig(64, 64, 4, 3, descriptors=True)
+    asked = launch.Step("tiled", configs.KernelConfig(64, 64, 4, 3), descriptors=True)
     assert launch._descriptors(asked, w) and not launch._descriptors(replace(asked, descriptors=False), w)
     assert not launch._descriptors(asked, w.transpose(1, 2))  # asked for, but the weight rules them out
     monkeypatch.delattr(tl, "make_tensor_descriptor")  # a Triton from before them
@@ -639,7 +635,7 @@ def test_weight_descriptors_only_for_contiguous_16_byte_aligned_weights(monkeypa
 def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(monkeypatch):
     """Tiny points: the chosen pair timed as one layer, its down started by programmatic
     dependent launch and not (only where the GPU has it), the faster kept in the entry."""
-    from moe_overlay.backends.triton_moe import launch, timing, tune
+    from moe_overlay.backends.triton_moe import timing, tune
 
     seconds = {False: 4.0, True: 3.0}
     ran = []
@@ -653,18 +649,16 @@ def test_tuner_times_one_token_layers_with_and_without_pdl_and_keeps_the_faster(
         return seconds[ran[-1].down.pdl]
 
     monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
-    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
     config = configs.LaunchConfig.from_json(_entry(16))
     kinds = []
-    best, s = min(tune._with_pdl(Layer(), [config], kinds), key=lambda r: r[1])
+    best, s = min(tune._with_pdl(Layer(), [config], kinds, H200), key=lambda r: r[1])
     assert best.down.pdl and s == 3.0 and best.gate_up == config.gate_up
     assert [c.down.pdl for c in ran] == [False, True]
     assert kinds == [f"layer, dot gate/up: no PDL {1e6:.1f} us, PDL {0.75e6:.1f} us"]
     seconds[True] = 5.0
-    assert min(tune._with_pdl(Layer(), [config], []), key=lambda r: r[1])[0] == config  # slower with PDL: left off
+    assert min(tune._with_pdl(Layer(), [config], [], H200), key=lambda r: r[1])[0] == config  # slower: left off
     ran.clear()
-    monkeypatch.setattr(launch, "uses_pdl", lambda config: False)  # no PDL on this GPU: timed once, plain
-    assert tune._with_pdl(Layer(), [config], []) == [(config, 4.0)] and len(ran) == 1
+    assert tune._with_pdl(Layer(), [config], [], GFX942) == [(config, 4.0)] and len(ran) == 1  # no PDL: timed once
     assert configs.LaunchConfig.from_json(best.to_json()) == best
 
 
@@ -734,6 +728,7 @@ def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_lay
 
     class FakeProblem:
         tiny = True
+        layer = launch.Layer(point.shape, "situ", granularity="block")
 
         def __init__(self, point, routings, random):
             pass
@@ -754,11 +749,13 @@ def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_lay
     monkeypatch.setattr(tune, "Problem", FakeProblem)
     monkeypatch.setattr(tune, "PROGRESS_S", 0.0)
     monkeypatch.setattr(timing, "graph_replay_seconds", fake_seconds)
-    monkeypatch.setattr(launch, "uses_pdl", lambda config: config.down.pdl)
-    config, seconds, kinds = tune.tune_point(point, [tune.Candidates(16, [dot(2), dot(4), gemv(2), gemv(4)], [down])])
+    monkeypatch.setattr(launch, "plan_for", lambda layer, config, tiny: launch.make_plan(layer, config, tiny, H200))
+    config, seconds, kinds = tune.tune_point(point, [tune.Candidates(16, [dot(2), dot(4), gemv(2), gemv(4)], [down])],
+                                             H200)
     assert config.gate_up == gemv(2) and config.down == replace(down, pdl=True)
     assert seconds == 7.0 / tune.ROUTINGS
-    assert [k.split(":")[0] for k in kinds] == [
+    assert kinds[0].startswith("plan: sm_90, tiny mode (no sort): gate/up gemv (N 16 K 128")
+    assert [k.split(":")[0] for k in kinds[1:]] == [
         "block_m 16 split_k 2", "block_m 16 split_k 2 gemv", "block_m 16 split_k 4", "block_m 16 split_k 4 gemv",
         "layer, dot gate/up", "layer, gemv gate/up"]
     assert [cfg for kind, cfg in ran if kind == "layer"] == [
@@ -799,23 +796,23 @@ def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(
 
 def test_w8a8_activations_are_quantised_before_sorted_gemms_whose_k_step_is_the_group():
     pytest.importorskip("triton")
-    from moe_overlay.backends.triton_moe.launch import QUANT_GROUP, _quantise_first
+    from moe_overlay.backends.triton_moe.plan import QUANT_GROUP, Layer, quantise_first
 
-    fp8 = torch.empty(2, 2, dtype=torch.float8_e4m3fn)
-    assert _quantise_first(fp8, QUANT_GROUP)
-    assert not _quantise_first(fp8, QUANT_GROUP // 2)  # a K step of half a group: quantised in the loop
-    assert not _quantise_first(torch.empty(2, 2, dtype=torch.bfloat16), QUANT_GROUP)
+    fp8 = Layer(configs.LayerShape(8, 256, 128, 2, "fp8-block"), granularity="block")
+    assert quantise_first(fp8, QUANT_GROUP)
+    assert not quantise_first(fp8, QUANT_GROUP // 2)  # a K step of half a group: quantised in the loop
+    assert not quantise_first(Layer(configs.LayerShape(8, 256, 128, 2, "bf16")), QUANT_GROUP)
 
 
 def test_lookup_takes_the_nearest_bucket_and_reports_untuned_shapes():
     table = {"GPU": {"E8-H256-I128-k2-bf16": {"1": _entry(16), "16": _entry(32), "1024": _entry(128)}}}
     shape = configs.LayerShape.of(SPEC)
-    assert [configs.lookup(table, "GPU", shape, m)[0].block_m for m in (1, 3, 8, 100, 300, 9000)] == [
+    assert [configs.lookup(table, ("GPU",), shape, m)[0].block_m for m in (1, 3, 8, 100, 300, 9000)] == [
         16, 16, 32, 32, 128, 128]
     other = configs.LayerShape.of(mo.MoESpec(8, 512, 128, 2))
-    config, tuned = configs.lookup(table, "GPU", other, 100)
+    config, tuned = configs.lookup(table, ("GPU",), other, 100)
     assert not tuned and config == configs.default_config(other, 100)
-    assert configs.is_tuned(table, "GPU", shape) and not configs.is_tuned(table, "Other GPU", shape)
+    assert configs.is_tuned(table, ("GPU",), shape) and not configs.is_tuned(table, ("Other GPU",), shape)
 
 
 def test_blocks_of_three_row_tiles_are_split_and_others_refused(tmp_path):
@@ -841,7 +838,7 @@ def test_three_tile_blocks_are_tried_for_experts_they_hold_in_every_format(tmp_p
     shapes = [configs.LayerShape(8, 256, 128, 2, w) for w in ("bf16", "fp8-block", "mxfp4")]
     monkeypatch.setenv(configs.USER_FILES_ENV, str(_write(tmp_path / "mine.json",
                                                            {"cpu": {s.key: {"512": _entry(192)} for s in shapes}})))
-    assert [launch.launch_config(s, torch.device("cpu"), 512).block_m for s in shapes] == [192, 192, 192]
+    assert [launch.launch_config(s, torch.device("cpu"), 512, INTERPRETER).block_m for s in shapes] == [192, 192, 192]
 
 
 def test_bad_config_files_are_named(tmp_path):
@@ -873,7 +870,7 @@ def test_shipped_h200_entries_already_fit_the_h200():
             shape = next(configs.LayerShape.of(with_weights(m.spec, w)) for m in MODELS for w in WEIGHT_FORMATS
                          if configs.LayerShape.of(with_weights(m.spec, w)).key == key)
             for bucket in buckets:
-                config = configs._launch_config("", device, 0, shape, int(bucket))
+                config = configs._launch_config("", (device,), 0, shape, int(bucket))
                 assert configs.fit_shared(config, shape, int(bucket), H200_SHARED) == config, (device, key, bucket)
 
 
@@ -886,8 +883,8 @@ def test_launches_are_fitted_to_a_64_kib_gpu_by_fewer_stages():
         for weights in ("bf16", "fp8-block", "mxfp4"):
             shape = configs.LayerShape.of(with_weights(m.spec, weights))
             for tokens in TOKEN_COUNTS:
-                big = configs._launch_config("", "no such device", 0, shape, tokens)
-                small = configs._launch_config("", "no such device", GFX942_SHARED, shape, tokens)
+                big = configs._launch_config("", ("no such device",), 0, shape, tokens)
+                small = configs._launch_config("", ("no such device",), GFX942_SHARED, shape, tokens)
                 assert replace(small, gate_up=replace(small.gate_up, num_stages=big.gate_up.num_stages),
                                down=replace(small.down, num_stages=big.down.num_stages)) == big
                 for gemm, used in configs.shared_bytes(small, shape, tokens).items():
@@ -910,7 +907,7 @@ def test_tune_is_a_cli_subcommand_and_plans_points():
 
 def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
     for point in points_from_args(_parse(["tune", "--weights", "bf16", "--weights", "fp8-block"])):
-        for c in candidates(point, 227 * 1024):
+        for c in candidates(point, H200):
             assert c.gate_up and c.down
             rows = {"gate_up": c.block_m, "down": configs.down_tile(c.block_m)}
             tiny = configs.is_tiny(point.tokens, point.spec.top_k)
@@ -927,7 +924,7 @@ def test_tuning_candidates_fit_the_chip_and_fp8_steps_one_scale_block():
 
 def test_compile_tasks_cover_every_candidate_once():
     points = points_from_args(_parse(["tune", "--model", "Maverick", "--tokens", "1,1024"]))
-    plan = [(p, candidates(p, 227 * 1024)) for p in points]
+    plan = [(p, candidates(p, H200)) for p in points]
     tasks = compile_tasks(plan)
     assert all(0 < len(kernels) <= COMPILE_CHUNK for _, _, kernels in tasks)
     for point, cands in plan:
@@ -942,7 +939,8 @@ def test_compile_tasks_cover_every_candidate_once():
 
 
 def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_budget():
-    sixteen = {b: [c for c in gemm_candidates(b, False, 2, 227 * 1024) if c.num_warps == 16] for b in (64, 128, 192)}
+    bf16 = configs.LayerShape.of(SPEC)
+    sixteen = {b: [c for c in gemm_candidates(b, bf16, 2, H200) if c.num_warps == 16] for b in (64, 128, 192)}
     assert not sixteen[64]
     assert {c.block_n for c in sixteen[128]} == {128, 256}
     assert {c.block_n for c in sixteen[192]} == {128}  # 192 x 2x256 fp32 would not fit 16 warps' registers
@@ -954,7 +952,7 @@ def test_sixteen_warps_only_for_wide_tiles_of_big_blocks_within_the_register_bud
 def test_resident_downs_for_small_intermediates_fit_the_chip_and_other_quantised_downs_stream():
     def downs(name, weights="bf16", tokens=8192):
         args = ["tune", "--model", name, "--weights", weights, "--tokens", str(tokens)]
-        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], 227 * 1024)
+        return [(c.block_m, d) for c in candidates(points_from_args(_parse(args))[0], H200)
                 for d in c.down]
 
     kimi = [(m, d) for m, d in downs("Kimi-K3") if d.n_split]
@@ -1028,7 +1026,7 @@ def test_bench_floor_takes_the_faster_read_and_the_formats_matrix_rate():
     assert Rates(Bandwidth(4e12, 4.3e12), 680e12, None, None).floor_rates(kimi, measured=False) is None
     rows = [Row("Kimi-K3", 1, "memory", 10e-6, 9e-6, 20e-6, 40e-6, 0.1, 1e-3, None),
             Row("Kimi-K3", 128, "memory", 100e-6, 90e-6, 101e-6, 150e-6, 0.1, 1e-3, None)]
-    table = markdown(rows, "mxfp4", "NVIDIA H200", rates)
+    table = markdown(rows, "mxfp4", "NVIDIA H200", rates, "target sm_90")
     assert "highest 99.0% (Kimi-K3 M=128)" in table and "lowest 50.0% (Kimi-K3 M=1)" in table
     assert "| bf16 triton (us) |" in table and "faster at 2 of 2 points" in table
     assert "read bandwidth 4.45 TB/s" in table and "4.29 TB/s read + written" in table
@@ -1045,7 +1043,7 @@ def test_bench_says_the_floor_is_wrong_where_a_layer_beats_it():
     assert floors_beaten(rows, "_grouped_mm") == [
         "Kimi-K3 M=128: triton 1508.9 us under the floor of 1519.5 us",
         "Maverick M=128: _grouped_mm 540.0 us under the floor of 555.0 us"]
-    assert "**Floor beaten by 2 layer(s)" in markdown(rows, "bf16", "NVIDIA H200", rates)
+    assert "**Floor beaten by 2 layer(s)" in markdown(rows, "bf16", "NVIDIA H200", rates, "target sm_90")
     # a measured floor under the published peaks' one (rates above the datasheet's) is beaten there too
     fast = [Row("Mixtral", 1, "memory", 18.0e-6, 19.0e-6, 18.5e-6, 99.0e-6, 0.1, 3e-3, 4e-3)]
     assert floors_beaten(fast, "bf16 triton") == ["Mixtral M=1: triton 18.5 us under the floor of 19.0 us"]

@@ -23,14 +23,15 @@ from moe_overlay.backends.problems import (
     with_weights,
 )
 from moe_overlay.backends.reference import reference_moe
+from moe_overlay.backends.triton_moe import plan
 from moe_overlay.backends.triton_moe.bench import relative_error
 from moe_overlay.backends.triton_moe.configs import (
     USER_FILES_ENV,
     LayerShape,
     current_table,
     default_config,
-    device_name,
     is_tuned,
+    table_devices,
 )
 from moe_overlay.routing import grouped_topk
 
@@ -43,6 +44,33 @@ needs_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU (TRITO
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no GPU")
 FP8_CAPABLE = CUDA and (torch.version.hip is not None or torch.cuda.get_device_capability() >= (8, 9))
 fp8_ok = pytest.mark.skipif(not FP8_CAPABLE, reason="fp8 needs sm_89 or newer (the interpreter rounds it wrongly)")
+
+
+@functools.cache
+def _target():
+    """The target the kernels compile for (make test-gpu TARGET=gfx942: the one this GPU stands in for)."""
+    from moe_overlay.backends.triton_moe.target import current_target
+
+    return current_target()
+
+
+def _table_key() -> str:
+    """The launch table's device key that this run's launches read first."""
+    return table_devices(torch.device(DEVICE), _target())[0]
+
+
+def _plan(spec, m):
+    """The plan a call of `m` tokens of `spec` runs (the launch table's entry on this target)."""
+    from moe_overlay.backends.triton_moe import launch
+
+    prepared = mo.PreparedExperts(spec, empty_weights(spec, DEVICE), mo.get_backend("triton"))
+    prepared.prepare()
+    w13 = prepared.tensors["w13"]
+    x = torch.empty(m, spec.hidden_size, dtype=spec.dtype, device=DEVICE)
+    layer = launch.Layer.of(x, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
+                            spec.apply_router_weight_on_input, spec.quant.granularity,
+                            spec.quant.activations == "fp8_token")
+    return launch.call_plan(layer, torch.device(DEVICE), m)
 
 
 def _check(spec, m, tol, seed=0, peak_at=None):
@@ -182,18 +210,15 @@ def test_gluon_block_fp8_gate_up_equals_the_tl_kernel(spec, m, block_n, tmp_path
     """The same entry with and without `gluon` (gluon_kernels on NVIDIA from sm_90, which must
     take it there; elsewhere both run kernels.gate_up_kernel), N tiles of 64 and of 32: the
     same sums in the same order, so the same output, and the reference's within fp8's error."""
-    from moe_overlay.backends.triton_moe import launch
 
     kernel = {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1}
     outs = []
     for gluon in (False, True):
         entry = {"block_m": 64, "gate_up": {**kernel, "gluon": gluon}, "down": kernel}
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        layer = launch.Layer(LayerShape.of(spec), granularity="block")
-        assert launch.uses_gluon(layer, config, False, True) == (gluon and torch.cuda.get_device_capability() >= (9, 0))
+        assert (_plan(spec, m).gate_up.kernel == plan.GLUON_BLOCK_FP8) == (gluon and _target().hopper)
         outs.append(_check(spec, m, tol=2e-2)[1])
     assert torch.equal(outs[0], outs[1])
 
@@ -231,23 +256,18 @@ def _with_and_without_gluon(spec, m, block_m, gate_up, down, gemm, tmp_path, mon
     without and with `gluon`: on NVIDIA from sm_90 launch must take gluon_kernels' kernel when
     asked and `taken` (elsewhere both run the `tl` kernel); each within bf16's error of the
     reference."""
-    from moe_overlay.backends.triton_moe import launch
-
-    uses = {"gate_up": lambda layer, config: launch.uses_gluon(layer, config, False, False),
-            "tiny_gate_up": lambda layer, config: launch.uses_gluon(layer, config, True, False),
-            "down": launch.uses_gluon_down, "tiny_down": launch.uses_gluon_tiny_down}[gemm]
+    step, kernel = {"gate_up": ("gate_up", plan.GLUON_MX), "tiny_gate_up": ("gate_up", plan.GLUON_MX_TINY),
+                    "down": ("down", plan.GLUON_MX), "tiny_down": ("down", plan.GLUON_MX_TINY)}[gemm]
     key = gemm.removeprefix("tiny_")
     outs = []
     for gluon in (False, True):
         entry = {"block_m": block_m, "gate_up": gate_up, "down": down}
         entry[key] = {**entry[key], "gluon": gluon}
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{gluon}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{gluon}.json"))
-        prepared, out, _ = _check(spec, m, tol=1e-2)
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        layer = launch.Layer(LayerShape.of(spec), mx_words=prepared.target.mx_words)
-        assert uses(layer, config) == (gluon and taken and torch.cuda.get_device_capability() >= (9, 0))
+        _, out, _ = _check(spec, m, tol=1e-2)
+        assert (getattr(_plan(spec, m), step).kernel == kernel) == (gluon and taken and _target().hopper)
         outs.append(out)
     return outs
 
@@ -347,18 +367,15 @@ def test_block_fp8_resident_down_matches_the_streamed_one_and_the_reference(spec
     """The resident down (its activation tile loaded once per program) and the streamed one of
     the same entry add the same rescaled products: outputs within fp32 rounding of each other,
     and the reference's within fp8's error."""
-    from moe_overlay.backends.triton_moe import launch
-
     block_m, kernel = RESIDENT_FP8_DOWNS[down]
     outs = []
     for resident in (False, True):
         entry = {"block_m": block_m, "gate_up": {**kernel, "n_split": 0, "weight_left": False},
                  "down": {**kernel, "resident": resident}}
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{resident}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{resident}.json"))
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        assert LayerShape.of(spec).down_kind(config.down) == ("resident" if resident else "streamed")
+        assert _plan(spec, m).down.kernel == (plan.RESIDENT if resident else plan.STREAMED)
         outs.append(_check(spec, m, tol=2e-2)[1])
     assert relative_error(outs[1], outs[0]) < 1e-3
 
@@ -373,7 +390,7 @@ def test_block_fp8_resident_down_matches_the_streamed_one_and_the_reference(spec
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
     entry, m = UNUSUAL[variant]
-    table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+    table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
     (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
     monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
     _check(spec, m, tol=2e-2)
@@ -399,7 +416,6 @@ def test_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv
     path does; block scales each group, channel and tensor scales after) and through the dot
     kernel, same entry otherwise: outputs within fp32 rounding of each other, and the
     reference's within fp8's error."""
-    from moe_overlay.backends.triton_moe import launch
 
     block_n, warps, split, block_k = gemv
     down = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "group_m": 1}
@@ -408,12 +424,12 @@ def test_fp8_gemv_gate_up_matches_the_dot_kernel_and_the_reference(spec, m, gemv
         gate_up = {"block_n": block_n if use else 64, "block_k": block_k if use else 128, "num_warps": warps,
                    "num_stages": 1 if use else 3,
                    "group_m": 1, "split_k": split, "gemv": use}
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): {
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): {
             "block_m": 16, "gate_up": gate_up, "down": down}}}}
         (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
-        config = launch.launch_config(LayerShape.of(spec), torch.device(DEVICE), m)
-        assert config.gate_up.gemv == use and config.gate_up.block_k == gate_up["block_k"]
+        step = _plan(spec, m).gate_up
+        assert (step.kernel == plan.GEMV) == use and step.config.block_k == gate_up["block_k"]
         outs.append(_check(spec, m, tol=2e-2)[1])
     assert relative_error(outs[1], outs[0]) < 1e-3
 
@@ -487,7 +503,7 @@ def test_one_token_pdl_launches_equal_plain_ones_in_cuda_graphs(spec, gemv):
             dst.copy_(src)
         graph.replay()
         outs[pdl] = (first, out.clone(), call())
-    assert launch.uses_pdl(config) == (torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0))
+    assert launch.plan_for(layer, config, tiny=True).pdl == _target().hopper
     for plain, chained in zip(outs[False], outs[True], strict=True):
         assert torch.equal(plain, chained)
     first, replayed, second = outs[True]
@@ -672,7 +688,7 @@ def test_cuda_graph_replay_matches_eager_on_new_inputs(m, descriptors, tmp_path,
         entry = default_config(LayerShape.of(spec), m).to_json()
         for kernel in ("gate_up", "down"):
             entry[kernel]["descriptors"] = True
-        table = {device_name(torch.device(DEVICE)): {LayerShape.of(spec).key: {str(m): entry}}}
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
     prepared, _, (x, w, ids) = _check(spec, m, tol=1e-2)
@@ -739,5 +755,6 @@ def test_selected_automatically_and_described_with_its_tuning_state():
     prepared = mo.PreparedExperts(spec, empty_weights(spec, "cuda"), mo.select_backend(spec, platform, "triton"))
     described = prepared.describe()
     assert described["backend"] == "triton"
-    assert described["tuned"] == is_tuned(current_table(), torch.cuda.get_device_name(), LayerShape.of(spec))
+    assert described["tuned"] == is_tuned(current_table(), table_devices(torch.device(DEVICE), _target()),
+                                          LayerShape.of(spec))
     assert mo.get_backend("triton").is_tuned(mo.MoESpec(8, 320, 96, 2), platform) is False

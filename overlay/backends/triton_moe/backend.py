@@ -15,7 +15,8 @@ from ...layout import CANONICAL, MX_WORD_K, MX_WORD_ROWS, Layout
 from ...quant import FNUZ_ARCHS, native_fp8_format
 from ...spec import MoESpec
 from . import op  # noqa: F401  (registers torch.ops.moe_overlay.triton_experts)
-from .configs import LayerShape, current_table, device_name, is_tuned
+from .configs import LayerShape, current_table, device_name, is_tuned, table_devices
+from .target import Target, platform_target
 
 ACTIVATIONS = ("silu", "situ")
 FP8_AMD_ARCHS = (*FNUZ_ARCHS, "gfx950")
@@ -79,12 +80,13 @@ class TritonBackend(Backend):
         # [E, N, K] with K contiguous, as canonical: what wgmma (fp8 needs exactly that) and
         # MFMA read best. bf16/fp16 gate and up rows are interleaved, so one dot computes both;
         # fp8 stays canonical, only its flavour changes: MI300's hardware fp8 is e4m3fnuz.
-        # mxfp4 with bf16 activations on NVIDIA: recoded words (layout.mx_words), decoded by
-        # shifts and masks, 512 contiguous bytes a K step of 16 rows (measured on an H200:
-        # docs/performance.md); ROCm keeps canonical bytes for tl.dot_scaled (gfx950's fp4 MFMA).
+        # mxfp4 with bf16 activations: recoded words (layout.mx_words), decoded by shifts and
+        # masks, 512 contiguous bytes a K step of 16 rows, where the target says so
+        # (target.Target.mx_words: measured, docs/performance.md); else canonical bytes for
+        # tl.dot_scaled (gfx950's fp4 conversion).
         if LayerShape.of(spec).interleaved:
             return Layout("triton", gate_up="interleaved")
-        if spec.quant.weights == "mxfp4" and _mx_words_fit(spec, platform):
+        if spec.quant.weights == "mxfp4" and _mx_words_fit(spec, _target(platform)):
             return Layout("triton", mx_words=True)
         native = native_fp8_format(platform.arch or "")
         if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and native == "e4m3fnuz":
@@ -116,15 +118,22 @@ class TritonBackend(Backend):
     def is_tuned(self, spec: MoESpec, platform: Platform) -> bool | None:
         if platform.device_type != "cuda":
             return None
-        device = device_name(torch.device("cuda", torch.cuda.current_device()))
-        return is_tuned(current_table(), device, LayerShape.of(spec))
+        device = torch.device("cuda", torch.cuda.current_device())
+        return is_tuned(current_table(), table_devices(device, _target(platform)), LayerShape.of(spec))
 
 
-def _mx_words_fit(spec: MoESpec, platform: Platform) -> bool:
-    """Whether an mxfp4 layer runs from recoded words: bf16 activations on NVIDIA, and rows and
-    K of both weights whole word groups."""
+def _target(platform: Platform) -> Target:
+    """The Triton target of a GPU (target.py), in target mode the one it stands in for."""
+    gpu = platform.vendor == "nvidia" and torch.cuda.is_available()
+    return platform_target(platform.vendor, platform.arch or "",
+                           device_name(torch.device("cuda", torch.cuda.current_device())) if gpu else "")
+
+
+def _mx_words_fit(spec: MoESpec, target: Target) -> bool:
+    """Whether an mxfp4 layer runs from recoded words: the target's mxfp4 layout, bf16
+    activations, and rows and K of both weights whole word groups."""
     h, i = spec.hidden_size, spec.intermediate_size
-    return (platform.vendor == "nvidia" and spec.dtype == torch.bfloat16
+    return (target.mx_words and spec.dtype == torch.bfloat16
             and all(n % MX_WORD_ROWS == 0 and k % MX_WORD_K == 0 for n, k in ((2 * i, h), (h, i))))
 
 

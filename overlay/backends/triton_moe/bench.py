@@ -49,6 +49,7 @@ from ..problems import (
     with_weights,
 )
 from . import launch
+from .target import add_target_argument, current_target, use_target
 from .timing import graph_replay_seconds
 
 COPY_BYTES = 4 * 2**30  # a device-to-device copy of at least 4 GB
@@ -225,7 +226,7 @@ class Rates:
         return self.peaks[0], self.peaks[2 if fp8 else 1]
 
 
-def bench_model(name: str, weights: str, tokens: list[int], rates: Rates) -> list[Row]:
+def bench_model(name: str, weights: str, tokens: list[int], rates: Rates, explain: bool = False) -> list[Row]:
     base = model(name).spec
     spec = with_weights(base, weights)
     peer_spec = spec if weights in ("bf16", "fp16") else replace(base, dtype=torch.bfloat16)
@@ -238,7 +239,11 @@ def bench_model(name: str, weights: str, tokens: list[int], rates: Rates) -> lis
     else:
         peer = mo.PreparedExperts(peer_spec, random_weights(peer_spec, "cuda", seed=0), mo.get_backend("triton"))
         peer.prepare()
-    rows = [bench_point(name, spec, tensors, prepared, peer, m, rates) for m in tokens]
+    rows = []
+    for m in tokens:
+        if explain:
+            print(f"{name:12s} M={m:5d} plan: {call_plan(prepared, m).describe()}", flush=True)
+        rows.append(bench_point(name, spec, tensors, prepared, peer, m, rates))
     del prepared, tensors, peer
     torch.cuda.empty_cache()
     return rows
@@ -277,6 +282,16 @@ def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prep
     return row
 
 
+def call_plan(prepared: mo.PreparedExperts, num_tokens: int) -> launch.Plan:
+    """The plan the Triton layer `prepared` runs a call of `num_tokens` with."""
+    spec, w13 = prepared.spec, prepared.tensors["w13"]
+    x = torch.empty(num_tokens, spec.hidden_size, dtype=spec.dtype, device=w13.device)
+    layer = launch.Layer.of(x, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
+                            spec.apply_router_weight_on_input, spec.quant.granularity,
+                            spec.quant.activations == "fp8_token")
+    return launch.call_plan(layer, w13.device, num_tokens)
+
+
 def versions() -> str:
     import triton
 
@@ -304,7 +319,7 @@ def _peer_name(weights: str) -> str:
     return "_grouped_mm" if weights in ("bf16", "fp16") else "bf16 triton"
 
 
-def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
+def markdown(rows: list[Row], weights: str, device: str, rates: Rates, target: str) -> str:
     worst = min(rows, key=lambda r: r.triton_pct)
     highest = max(rows, key=lambda r: r.triton_pct)
     slowest = min(rows, key=lambda r: r.speedup)
@@ -313,6 +328,7 @@ def markdown(rows: list[Row], weights: str, device: str, rates: Rates) -> str:
     fp8_rate = f", fp8 matrix rate {rates.fp8 / 1e12:.0f} TFLOP/s (torch._scaled_mm)" if rates.fp8 else ""
     lines = [
         f"Weights: {weights}. Device: {device}. Date: {datetime.date.today().isoformat()}. Versions: {versions()}.",
+        f"Kernels: {target}.",
         f"Measured in the same run: read bandwidth {bw.best / 1e12:.2f} TB/s (the faster of a read-only Triton "
         f"kernel over {READ_BYTES / 1e9:.1f} GB (plain loads or descriptor tiles, the best shape), "
         f"{bw.read / 1e12:.2f} TB/s, and a device-to-device copy, "
@@ -364,11 +380,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: the models whose checkpoints ship the format (all four for bf16/fp16)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    add_target_argument(parser)
+    parser.add_argument("--explain", action="store_true",
+                        help="also print each point's plan: the kernel and tiles of each step")
     args = parser.parse_args(argv)
+    use_target(args.target)
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA or ROCm GPU")
         return 1
     device = torch.cuda.get_device_name()
+    target = current_target().describe()
+    print(f"kernels: {target}", flush=True)
     fp8 = args.weights.startswith("fp8")
     rates = Rates(measure_bandwidth(), measure_matrix_rate(), measure_matrix_rate(fp8=True) if fp8 else None,
                   PUBLISHED_PEAKS.get(device))
@@ -377,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
           f"TFLOP/s" + (f", fp8 {rates.fp8 / 1e12:.0f} TFLOP/s" if rates.fp8 else "") + f"; {versions()}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     names = args.model or list(FORMAT_MODELS.get(args.weights, [m.name for m in MODELS]))
-    rows = [row for name in names for row in bench_model(name, args.weights, tokens, rates)]
-    table = markdown(rows, args.weights, device, rates)
+    rows = [row for name in names for row in bench_model(name, args.weights, tokens, rates, args.explain)]
+    table = markdown(rows, args.weights, device, rates, target)
     print(table)
     if args.markdown:
         args.markdown.write_text(table)

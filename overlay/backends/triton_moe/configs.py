@@ -1,7 +1,9 @@
 """Launch configurations: per (device name, layer shape, M bucket), tuned entries from files
 merged over a built-in default.
 
-Files are JSON: `{"devices": {DEVICE: {SHAPE_KEY: {BUCKET: LAUNCH_CONFIG}}}}`. The shipped
+Files are JSON: `{"devices": {DEVICE: {SHAPE_KEY: {BUCKET: LAUNCH_CONFIG}}}}`, DEVICE a GPU's
+name (NVIDIA H200) or an AMD target's architecture (gfx942: MI300X and MI325X; gfx950: MI355X;
+target.Target.table_keys). The shipped
 ones live in configs/ beside this module; `MOE_OVERLAY_TRITON_CONFIGS` names more
 (os.pathsep-separated), merged after them. Merging works entry by entry: a later file adds
 or replaces single (device, shape, bucket) entries and never removes the others.
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from ...spec import MoESpec
+from .target import Target
 
 SHIPPED_DIR = Path(__file__).parent / "configs"
 USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
@@ -95,10 +98,11 @@ def down_tile(block_m: int) -> int:
     return row_tiles(block_m)[1] or block_m
 
 
-def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int) -> int:
-    """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows and
-    `b_tiles` weight tiles of BLOCK_K, at two bytes a value (fp8 and packed mxfp4 take less)."""
-    return (rows + b_tiles * cfg.block_n) * cfg.block_k * 2
+def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int, weight_bytes: float = 2.0) -> int:
+    """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows at two
+    bytes a value (fp8 activations take less) and `b_tiles` weight tiles of BLOCK_K at
+    `weight_bytes` a value (LayerShape.weight_bytes)."""
+    return int((2 * rows + weight_bytes * b_tiles * cfg.block_n) * cfg.block_k)
 
 
 def resident_bytes(rows: int, cfg: KernelConfig, shape: LayerShape) -> int:
@@ -123,11 +127,12 @@ def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int) -> di
     "down" (stage_bytes, resident_bytes); the gemv gate/up and tiny mode's down keep none."""
     used = {}
     if not config.gate_up.gemv:
-        used["gate_up"] = config.gate_up.num_stages * stage_bytes(config.block_m, config.gate_up, 2)
+        used["gate_up"] = config.gate_up.num_stages * stage_bytes(config.block_m, config.gate_up, 2,
+                                                                  shape.weight_bytes)
     if not is_tiny(num_tokens, shape.top_k):
         rows = down_tile(config.block_m)
         used["down"] = (resident_bytes(rows, config.down, shape) if shape.down_kind(config.down) == "resident"
-                        else config.down.num_stages * stage_bytes(rows, config.down, 1))
+                        else config.down.num_stages * stage_bytes(rows, config.down, 1, shape.weight_bytes))
     return used
 
 
@@ -180,6 +185,12 @@ class LayerShape:
     @property
     def fp8(self) -> bool:
         return self.weights.startswith("fp8")
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes a weight value takes as stored: 2 (bf16/fp16), 1 (fp8), or mxfp4's half
+        byte and its e8m0 scale's share (one byte per 32 values)."""
+        return 0.5 + 1 / 32 if self.weights == "mxfp4" else 1.0 if self.fp8 else 2.0
 
     @property
     def resident_fp8(self) -> bool:
@@ -291,17 +302,20 @@ def nearest_bucket(buckets: Iterable[str], num_tokens: int) -> str:
     return min(buckets, key=lambda b: (abs(math.log2(int(b)) - math.log2(max(num_tokens, 1))), int(b)))
 
 
-def lookup(table: Table, device: str, shape: LayerShape, num_tokens: int) -> tuple[LaunchConfig, bool]:
-    """(launch config, whether it was tuned for this device and shape)."""
-    if not is_tuned(table, device, shape):
+def lookup(table: Table, devices: tuple[str, ...], shape: LayerShape, num_tokens: int) -> tuple[LaunchConfig, bool]:
+    """(launch config, whether it was tuned for this shape): the entries of the first of
+    `devices` (a GPU's name, a target's architecture) that has the shape."""
+    tuned = next((d for d in devices if is_tuned(table, (d,), shape)), None)
+    if tuned is None:
         return default_config(shape, num_tokens), False
-    buckets = table[device][shape.key]
+    buckets = table[tuned][shape.key]
     return LaunchConfig.from_json(buckets[nearest_bucket(buckets, num_tokens)]), True
 
 
 @lru_cache(maxsize=4096)
-def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShape, num_tokens: int) -> LaunchConfig:
-    config, _ = lookup(_table(user_env), device, shape, num_tokens)
+def _launch_config(user_env: str, devices: tuple[str, ...], smem_bytes: int, shape: LayerShape,
+                   num_tokens: int) -> LaunchConfig:
+    config, _ = lookup(_table(user_env), devices, shape, num_tokens)
     tiny = is_tiny(num_tokens, shape.top_k)
     if tiny:
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row
@@ -329,12 +343,27 @@ def _launch_config(user_env: str, device: str, smem_bytes: int, shape: LayerShap
     return fit_shared(config, shape, num_tokens, smem_bytes)
 
 
-def launch_config(shape: LayerShape, device: torch.device, num_tokens: int) -> LaunchConfig:
-    """The launch for a call: the current table's entry with the rules every launch obeys,
-    fitted to the device's shared memory, remembered (it is asked on every call of the layer)."""
-    return _launch_config(os.environ.get(USER_FILES_ENV, ""), device_name(device), device_shared_bytes(device), shape,
-                          num_tokens)
+def launch_config(shape: LayerShape, device: torch.device, num_tokens: int, target: Target) -> LaunchConfig:
+    """The launch for a call on `target`: the current table's entry with the rules every launch
+    obeys, fitted to the shared memory a program has, remembered (it is asked on every call of
+    the layer)."""
+    return _launch_config(os.environ.get(USER_FILES_ENV, ""), table_devices(device, target),
+                          shared_limit(device, target), shape, num_tokens)
 
 
-def is_tuned(table: Table, device: str, shape: LayerShape) -> bool:
-    return bool(table.get(device, {}).get(shape.key))
+def table_devices(device: torch.device, target: Target) -> tuple[str, ...]:
+    """The table's device keys a launch on `target` reads, first found first: the device's own
+    name ("cpu" in Triton's interpreter), then the target's (an AMD architecture); in target
+    mode the target's alone."""
+    own = () if target.stands_in else (device_name(device),)
+    return own + target.table_keys
+
+
+def shared_limit(device: torch.device, target: Target) -> int:
+    """Shared memory a program may use: the GPU's own where it runs as itself, the target's in
+    target mode or where the kernels compile for a GPU that is not here (0: no limit)."""
+    return target.shared_bytes if target.stands_in or device.type != "cuda" else device_shared_bytes(device)
+
+
+def is_tuned(table: Table, devices: tuple[str, ...], shape: LayerShape) -> bool:
+    return any(table.get(device, {}).get(shape.key) for device in devices)

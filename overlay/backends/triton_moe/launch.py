@@ -21,36 +21,38 @@ import triton.language as tl
 from . import kernels
 from .configs import (
     FP8_GEMV_STEPS,
-    GLUON_BLOCK_M,
-    GLUON_MX_BLOCK_KS,
-    GLUON_MX_BLOCK_MS,
     TINY_DOWN_COLUMNS,
     KernelConfig,
     LaunchConfig,
-    LayerShape,
     down_tile,
     is_tiny,
     launch_config,
     resident_k,
     row_tiles,
     tiny_route_split,
-    weights_tag,
 )
+from .plan import (
+    FP8_TL,
+    GEMV,
+    GLUON_BLOCK_FP8,
+    GLUON_MX,
+    GLUON_MX_TINY,
+    QUANT_GROUP,
+    RESIDENT,
+    Layer,
+    Plan,
+    Step,
+    gluon_kernels,
+    make_plan,
+)
+from .target import current_target
 
-try:
-    from . import gluon_kernels
-except (ImportError, AttributeError):  # a Triton without Gluon's Hopper calls: the `tl` kernels run everything
-    gluon_kernels = None
-
-W_QUANT = {None: kernels.W_NONE, "tensor": kernels.W_TENSOR, "channel": kernels.W_CHANNEL, "block": kernels.W_BLOCK}
 A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names of the 16-bit activations
-FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
 ALIGN_CHUNKS = (256, 4096)  # routes per sort program: the fewest and the most (align_chunk)
 ALIGN_PROGRAMS = 32  # sort programs a call aims at
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
-QUANT_GROUP: int = kernels.SCALE_BLOCK.value  # w8a8 activations: a dynamic scale per row and group, the fp8 K step
 QUANT_ROWS = 32
 FP8_W_QUANT = {kernels.W_TENSOR.value, kernels.W_CHANNEL.value, kernels.W_BLOCK.value}
 PINGPONG_FAILS_FROM = (3, 8)  # Triton releases whose AMD block-pingpong pass fails on fp8 dots for gfx950
@@ -100,41 +102,6 @@ def _block_pingpong_fails(device: int) -> bool:
     target = triton.runtime.driver.active.get_current_target()
     version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
     return target.backend == "hip" and target.arch == "gfx950" and version >= PINGPONG_FAILS_FROM
-
-
-@dataclass(frozen=True)
-class Layer:
-    """What the kernels need to know of a layer beyond its tensors."""
-
-    shape: LayerShape
-    activation: str = "silu"
-    beta: float = 1.0  # SiTU's two betas
-    linear_beta: float = 1.0
-    weight_on_input: bool = False
-    granularity: str | None = None  # fp8 weight scales: tensor, channel or block
-    per_token: bool = False  # w8a8 activations: a dynamic scale per token (row), not per 1x128 group
-    mx_words: bool = False  # mxfp4 recoded into int32 words (layout.mx_words), not packed bytes
-
-    @classmethod
-    def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
-           weight_on_input: bool, granularity: str | None, per_token: bool = False) -> Layer:
-        weights = weights_tag(w13.dtype, granularity if w13.dtype in FP8_TL else None)
-        shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
-        beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
-        return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token,
-                   w13.dtype == torch.int32)
-
-    @property
-    def w_quant(self) -> object:
-        """The kernels' W_QUANT: fp8 by scale granularity, or mxfp4."""
-        return kernels.W_MXFP4 if self.shape.weights == "mxfp4" else W_QUANT[self.granularity]
-
-    @property
-    def pack(self) -> int:
-        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word)."""
-        if self.shape.weights != "mxfp4":
-            return 1
-        return 8 if self.mx_words else 2
 
 
 @dataclass(frozen=True)
@@ -202,10 +169,10 @@ def weight_descriptors(weight: torch.Tensor) -> bool:
             and weight.stride(1) * weight.element_size() % 16 == 0 and weight.shape[0] * weight.shape[1] < 2**31)
 
 
-def _descriptors(cfg: KernelConfig, weight: torch.Tensor) -> bool:
-    """Whether this launch reads its weight tiles through descriptors: its entry asks and the
+def _descriptors(step: Step, weight: torch.Tensor) -> bool:
+    """Whether this launch reads its weight tiles through descriptors: its plan says so and the
     weight allows. Then installs the scratch allocator the kernel's descriptors need."""
-    if not (cfg.descriptors and weight_descriptors(weight)):
+    if not (step.descriptors and weight_descriptors(weight)):
         return False
     install_descriptor_scratch()
     return True
@@ -268,115 +235,35 @@ def _arrival_counts(programs: int, split_k: int, device: torch.device) -> torch.
     return counts[:programs]
 
 
-def uses_pdl(config: LaunchConfig) -> bool:
-    """Whether tiny mode chains its gate/up and down by programmatic dependent launch
-    (kernels._let_next_start, _await_previous): the down's entry asks, and the kernels compile
-    for NVIDIA from Hopper (sm_90) on, not in Triton's interpreter. Entries choose it by
-    measurement (tune._with_pdl): it slows some layers."""
-    return config.down.pdl and _compiles_for_hopper()
+def plan_for(layer: Layer, config: LaunchConfig, tiny: bool) -> Plan:
+    """The plan of `layer` under `config` on the target Triton compiles for now."""
+    return make_plan(layer, config, tiny, current_target())
 
 
-def _compiles_for_hopper() -> bool:
-    """Whether the kernels compile (not Triton's interpreter) for NVIDIA from Hopper (sm_90) on."""
-    if not isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction):
-        return False
-    target = triton.runtime.driver.active.get_current_target()
-    return target.backend == "cuda" and target.arch >= 90
-
-
-def weight_left(layer: Layer, cfg: KernelConfig, rows: int) -> bool:
-    """Whether w8a8 dots of `rows`-row activation tiles take the weight tile as their left
-    operand (kernels._fp8_dot): the entry asks (the tuner times both), the tile has under
-    the 64 rows of a warpgroup's wgmma (Triton would convert both fp8 tiles to fp16 for
-    mma.sync dots), and the kernels compile for NVIDIA from Hopper (sm_90) on: not in
-    Triton's interpreter, nor on AMD, whose fp8 matrix instructions take 16 rows."""
-    return cfg.weight_left and layer.shape.fp8 and rows < 64 and _compiles_for_hopper()
-
-
-def uses_gluon(layer: Layer, config: LaunchConfig, tiny: bool, a_fp8: bool) -> bool:
-    """Whether the gate/up runs one of gluon_kernels' kernels: the entry asks (the tuner times
-    both) and _gluon_runs; mx_words in sorted mode or in tiny mode (`tiny`), whose K split
-    shares the K steps evenly; block fp8 in sorted mode with its activations quantised first
-    (`a_fp8`); and the kernel's own shape rules (_gluon_mx_words_fits, _gluon_block_fp8_fits).
-    Otherwise kernels.gate_up_kernel (or, where the entry says gemv, the gemv) runs it."""
-    cfg = config.gate_up
-    if not _gluon_runs(cfg) or cfg.gemv:
-        return False
-    if layer.mx_words:
-        steps = layer.shape.hidden // cfg.block_k
-        return (_gluon_mx_words_fits(config.block_m, cfg, layer.shape.inter, layer.shape.hidden, 1)
-                and (not tiny or steps % cfg.split_k == 0))
-    return not tiny and a_fp8 and _gluon_block_fp8_fits(layer, config)
-
-
-def uses_gluon_down(layer: Layer, config: LaunchConfig) -> bool:
-    """Whether the general down runs gluon_kernels.down_mx_words_kernel: the entry asks for a
-    streamed Gluon down, the weights are mx_words, _gluon_runs, and its N tiles are two halves
-    of whole 64-row wgmmas (_gluon_mx_words_fits). Otherwise kernels.down_kernel runs it."""
-    cfg = config.down
-    return (layer.mx_words and layer.shape.down_kind(cfg) == "streamed" and _gluon_runs(cfg)
-            and _gluon_mx_words_fits(config.block_m, cfg, layer.shape.hidden, layer.shape.inter, 2))
-
-
-def uses_gluon_tiny_down(layer: Layer, config: LaunchConfig) -> bool:
-    """Whether tiny mode's down runs gluon_kernels.down_mx_words_tiny_kernel: the entry asks,
-    the weights are mx_words, _gluon_runs, its N tiles are two halves of whole 64-row wgmmas
-    that divide I in two steps at least (Triton 3.6 fails to lower the kernel's ring copies
-    where one step covers I), two ring slots at least, and a program's share of a token's
-    routes fits the wgmma's TINY_DOWN_COLUMNS columns. Otherwise kernels.down_tiny_kernel runs it."""
-    cfg = config.down
-    routes, _ = tiny_route_split(layer.shape.top_k, cfg.split_k)
-    return (layer.mx_words and _gluon_runs(cfg) and routes <= TINY_DOWN_COLUMNS
-            and layer.shape.inter >= 2 * cfg.block_k and _mx_tiles_fit(cfg, layer.shape.hidden, layer.shape.inter, 2))
-
-
-def _gluon_runs(cfg: KernelConfig) -> bool:
-    """The entry asks for Gluon with the kernels' one warpgroup (4 warps), and they compile
-    here: NVIDIA from Hopper (sm_90) on, with a Triton that has Gluon's Hopper calls."""
-    return cfg.gluon and gluon_kernels is not None and cfg.num_warps == 4 and _compiles_for_hopper()
-
-
-def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:
-    """Block fp8 with 1x128 activation groups; blocks of the kernel's 64 rows, a ring slot for
-    each of a pass's K steps at least, N tiles that start on their own width and lie in one
-    128-row scale block (gate and up alike), H a whole number of the kernel's passes."""
-    cfg = config.gate_up
-    return (layer.granularity == "block" and not layer.per_token and config.block_m == GLUON_BLOCK_M
-            and cfg.num_stages >= gluon_kernels.PASS.value
-            and kernels.SCALE_BLOCK.value % cfg.block_n == 0 and layer.shape.inter % cfg.block_n == 0
-            and layer.shape.hidden % (gluon_kernels.PASS.value * QUANT_GROUP) == 0)
-
-
-def _gluon_mx_words_fits(block_m: int, cfg: KernelConfig, rows: int, cols: int, parts: int) -> bool:
-    """mx_words, weights of `rows` x `cols` (K): blocks of 16 to 64 rows (the wgmma's N) and
-    _mx_tiles_fit."""
-    return block_m in GLUON_MX_BLOCK_MS and _mx_tiles_fit(cfg, rows, cols, parts)
-
-
-def _mx_tiles_fit(cfg: KernelConfig, rows: int, cols: int, parts: int) -> bool:
-    """N tiles of `parts` whole 64-row wgmmas each (the down's two halves) that divide the
-    `rows`; K steps of one or two 64-K word chunks that divide K (`cols`); two ring slots at
-    least."""
-    return (cfg.block_n % (parts * gluon_kernels.MX_WGMMA_ROWS) == 0 and rows % cfg.block_n == 0
-            and cfg.block_k in GLUON_MX_BLOCK_KS and cols % cfg.block_k == 0 and cfg.num_stages >= 2)
+def call_plan(layer: Layer, device: torch.device, num_tokens: int) -> Plan:
+    """The plan of a call of `num_tokens` tokens: the launch table's entry for the target
+    Triton compiles for now (target mode: the one it stands in for)."""
+    target = current_target()
+    config = launch_config(layer.shape, device, num_tokens, target)
+    return make_plan(layer, config, is_tiny(num_tokens, layer.shape.top_k), target)
 
 
 def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                   topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, config: LaunchConfig,
+                   topk_weights: torch.Tensor, alignment: Alignment, layer: Layer, plan: Plan,
                    out: torch.Tensor) -> None:
-    cfg = config.gate_up
+    cfg = plan.gate_up.config
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     grid = (alignment.num_blocks * (layer.shape.inter // cfg.block_n),)
     rows = (alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
-    if layer.mx_words:
+    if plan.gate_up.kernel == GLUON_MX:
         _launch(
             gluon_kernels.gate_up_mx_words_kernel, grid,
             x, w13, scale, out, topk_weights, *rows, alignment.num_blocks, layer.shape.inter, layer.shape.hidden,
             layer.shape.top_k, x.stride(0), w13.stride(0), stride_se, stride_sn, out.stride(0), layer.beta,
             layer.linear_beta,
-            WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation], BLOCK_M=config.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-            **gluon_kernels.mx_layouts(cfg.block_n, config.block_m, cfg.block_k), num_warps=4,
+            WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
+            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n, plan.block_m, cfg.block_k), num_warps=4,
         )
         return
     _launch(
@@ -392,30 +279,31 @@ def _gate_up_gluon(x: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor, w1
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment | None,
-    layer: Layer, config: LaunchConfig, out: torch.Tensor | TinyOut,
+    layer: Layer, plan: Plan, out: torch.Tensor | TinyOut,
 ) -> None:
-    """act(x @ w13^T) into `out` by padded sorted position; when tiny (no alignment, `out` a
-    TinyOut), into `out.act` by route, in fp32."""
-    cfg = config.gate_up
+    """act(x @ w13^T) into `out` by padded sorted position; in tiny mode (no alignment, `out`
+    a TinyOut), into `out.act` by route, in fp32. The plan's gate/up step says which kernel."""
+    step = plan.gate_up
+    cfg = step.config
     inter = layer.shape.inter
     ids = topk_ids.reshape(-1)
-    tiny = alignment is None
-    if tiny and cfg.gemv:
-        _gate_up_gemv(x, w13, w13_scale, topk_weights, ids, expert_map, layer, cfg, out, uses_pdl(config))
+    tiny = plan.tiny
+    if step.kernel == GEMV:
+        _gate_up_gemv(x, w13, w13_scale, topk_weights, ids, expert_map, layer, cfg, out, plan.pdl)
         return
-    if tiny and uses_gluon(layer, config, tiny=True, a_fp8=False):
-        _gate_up_gluon_tiny(x, w13, w13_scale, topk_weights, ids, expert_map, layer, config, out)
+    if step.kernel == GLUON_MX_TINY:
+        _gate_up_gluon_tiny(x, w13, w13_scale, topk_weights, ids, expert_map, layer, plan, out)
         return
     num_blocks = ids.numel() if tiny else alignment.num_blocks
     sorted_args = (ids, ids, ids, ids) if tiny else (
         alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     fp8, fp8_max = _fp8_args(w13)
-    a_fp8 = (not tiny or layer.per_token) and _quantise_first(w13, cfg.block_k)
+    a_fp8 = step.quantise_first
     a_fmt = A_FORMATS[x.dtype]
     x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
-    if not tiny and uses_gluon(layer, config, tiny=False, a_fp8=a_fp8):
-        _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, config, out)
+    if step.kernel in (GLUON_MX, GLUON_BLOCK_FP8):
+        _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, plan, out)
         return
     split_k = cfg.split_k if tiny else 1
     grid = (num_blocks * triton.cdiv(inter, cfg.block_n), split_k)
@@ -423,7 +311,7 @@ def gate_up(
         (dest, counts), act = out.split(grid[0], split_k), out.act
     else:
         dest, counts, act = out, out, out
-    tile_m, tile_m2 = row_tiles(config.block_m)
+    tile_m, tile_m2 = row_tiles(plan.block_m)
     _launch(
         kernels.gate_up_kernel, grid,
         x, x_scale, w13, scale, dest, act, counts, topk_weights, ids, ids if expert_map is None else expert_map,
@@ -433,22 +321,22 @@ def gate_up(
         dest.stride(0), layer.beta, layer.linear_beta,
         TINY=tiny, HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
         INTERLEAVED=layer.shape.interleaved,
-        W_DESC=layer.shape.interleaved and _descriptors(cfg, w13), PDL=tiny and uses_pdl(config),
+        W_DESC=_descriptors(step, w13), PDL=plan.pdl,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
         A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words,
-        ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=weight_left(layer, cfg, tile_m2 or tile_m),
-        BLOCK_M=config.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
+        ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=step.weight_left,
+        BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _gate_up_gluon_tiny(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, topk_weights: torch.Tensor,
-                        ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
+                        ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, plan: Plan,
                         out: TinyOut) -> None:
     """Tiny gate/up of mx_words in gluon_kernels.gate_up_mx_words_tiny_kernel: a program per
     (route slot, N tile) and K split, as kernels.gate_up_kernel's tiny grid."""
-    cfg = config.gate_up
+    cfg = plan.gate_up.config
     scale, stride_se, stride_sn = _scale_args(w13_scale, w13)
     grid = (ids.numel() * (layer.shape.inter // cfg.block_n), cfg.split_k)
     partials, counts = out.split(grid[0], cfg.split_k)
@@ -458,8 +346,8 @@ def _gate_up_gluon_tiny(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
         ids.numel(), layer.shape.inter, layer.shape.hidden, layer.shape.top_k, x.stride(0), w13.stride(0), stride_se,
         stride_sn, partials.stride(0), layer.beta, layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
-        PDL=uses_pdl(config), BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n, config.block_m, cfg.block_k), num_warps=4,
+        PDL=plan.pdl, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        STAGES=cfg.num_stages, **gluon_kernels.mx_layouts(cfg.block_n, plan.block_m, cfg.block_k), num_warps=4,
     )
 
 
@@ -489,41 +377,41 @@ def _gate_up_gemv(
 
 def down(
     a: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
-    alignment: Alignment, layer: Layer, config: LaunchConfig, out: torch.Tensor,
+    alignment: Alignment, layer: Layer, plan: Plan, out: torch.Tensor,
 ) -> None:
-    """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1).
-    down_kernel a program per output tile; with n_split, the resident down (bf16/fp16, and block
-    fp8 where the entry says so) or down_kernel streamed (mx_words: gluon_kernels' where the
-    entry says so, uses_gluon_down)."""
-    cfg = config.down
+    """General mode: one output row per route (`out` is `[routes, H]`, or `[M, H]` when top_k is 1),
+    by the plan's down step: down_kernel a program per output tile, or streamed over N tiles
+    (mx_words on Hopper: gluon_kernels' where the entry says so), or the resident down."""
+    step = plan.down
+    cfg = step.config
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
-    a_fp8 = _quantise_first(w2, cfg.block_k)
+    a_fp8 = step.quantise_first
     a_fmt = A_FORMATS[a.dtype]
     a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded, layer.per_token) if a_fp8 else (a, a)
-    tile_m, tiles_m = _down_row_tiles(config, alignment)
+    tile_m, tiles_m = _down_row_tiles(plan.block_m, alignment)
     rows = (alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
-    if layer.shape.down_kind(cfg) == "resident":
+    if step.kernel == RESIDENT:
         k_low, k_high = (QUANT_GROUP, 0) if a_fp8 else resident_k(layer.shape.inter)
         _launch(
             kernels.down_resident_kernel, (tiles_m * cfg.n_split,),
             a, a_scale, w2, scale, out, topk_weights, *rows,
             w2.shape[0], layer.shape.hidden, layer.shape.inter,
             a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
-            WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=_descriptors(cfg, w2),
+            WEIGHT_ON_INPUT=layer.weight_on_input, W_DESC=_descriptors(step, w2),
             FP8_STEPS=triton.cdiv(layer.shape.inter, QUANT_GROUP) if a_fp8 else 0,
-            ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=weight_left(layer, cfg, tile_m),
-            N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
+            ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
+            N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return
-    if uses_gluon_down(layer, config):
+    if step.kernel == GLUON_MX:
         _launch(
             gluon_kernels.down_mx_words_kernel, (tiles_m * cfg.n_split,),
             a, w2, scale, out, topk_weights, *rows, layer.shape.hidden, layer.shape.inter,
             a.stride(0), w2.stride(0), stride_se, stride_sn, out.stride(0),
-            WEIGHT_ON_INPUT=layer.weight_on_input, BLOCK_M=config.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            N_SPLIT=cfg.n_split, STAGES=cfg.num_stages,
-            **gluon_kernels.mx_layouts(cfg.block_n // 2, config.block_m, cfg.block_k), num_warps=4,
+            WEIGHT_ON_INPUT=layer.weight_on_input, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, N_SPLIT=cfg.n_split, STAGES=cfg.num_stages,
+            **gluon_kernels.mx_layouts(cfg.block_n // 2, plan.block_m, cfg.block_k), num_warps=4,
         )
         return
     fp8, fp8_max = _fp8_args(w2)
@@ -535,9 +423,9 @@ def down(
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
         FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
-        MX_WORDS=layer.mx_words, W_DESC=layer.pack == 1 and _descriptors(cfg, w2),
-        ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=weight_left(layer, cfg, tile_m),
-        N_SPLIT=cfg.n_split, BLOCK_M=config.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        MX_WORDS=layer.mx_words, W_DESC=_descriptors(step, w2),
+        ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
+        N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -548,30 +436,29 @@ def _one_block_scale(layer: Layer, block_n: int, first_row: int) -> bool:
     return layer.granularity == "block" and kernels.SCALE_BLOCK.value % block_n == 0 and first_row % block_n == 0
 
 
-def _down_row_tiles(config: LaunchConfig, alignment: Alignment) -> tuple[int, int]:
+def _down_row_tiles(block_m: int, alignment: Alignment) -> tuple[int, int]:
     """(rows per down program, row tiles in all): a block is one tile, or three (down_tile)."""
-    tile_m = down_tile(config.block_m)
-    return tile_m, alignment.num_blocks * (config.block_m // tile_m)
+    tile_m = down_tile(block_m)
+    return tile_m, alignment.num_blocks * (block_m // tile_m)
 
 
 def down_tiny(
     act: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, config: LaunchConfig,
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, layer: Layer, plan: Plan,
     out: torch.Tensor,
 ) -> None:
     """Tiny mode: down projection of tiny gate/up's fp32 activation `[routes, I]` and the top-k
     sum straight into `out` `[M, H]`; the entry's split_k programs share each token's routes.
-    kernels.down_tiny_kernel, or for mx_words where the entry says so gluon_kernels' one-token
-    down (uses_gluon_tiny_down)."""
-    cfg = config.down
+    kernels.down_tiny_kernel, or by the plan gluon_kernels' one-token mx_words down."""
+    cfg = plan.down.config
     scale, stride_se, stride_sn = _scale_args(w2_scale, w2)
     fp8, fp8_max = _fp8_args(w2)
     ids = topk_ids.reshape(-1)
     routes, split = tiny_route_split(layer.shape.top_k, cfg.split_k)
     grid = (out.shape[0], triton.cdiv(layer.shape.hidden, cfg.block_n), split)
     partials = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device) if split > 1 else out
-    pdl = uses_pdl(config)
-    if uses_gluon_tiny_down(layer, config):  # its N tiles divide H: the grid above
+    pdl = plan.pdl
+    if plan.down.kernel == GLUON_MX_TINY:  # its N tiles divide H: the grid above
         _launch(
             gluon_kernels.down_mx_words_tiny_kernel, grid,
             act, w2, scale, out, partials, _arrival_counts(grid[0] * grid[1], split, out.device), topk_weights, ids,
@@ -610,16 +497,6 @@ def sum_routes(routes: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.T
     )
 
 
-def _quantise_first(weight: torch.Tensor, block_k: int) -> bool:
-    """Whether a sorted-mode w8a8 kernel gets its activations quantised by quantize_groups
-    beforehand: once per row and group, where its main loop would quantise each K step
-    again for every N tile (half of fp8 gate/up's time at M=8192 on an H200). Only when its K
-    step is the group (fp8 launches always step one group); tiny mode quantises in the loop
-    (one row per route, a few N tiles), except per-token activations (a row's scale needs all
-    of it first)."""
-    return weight.dtype in FP8_TL and block_k == QUANT_GROUP
-
-
 def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype, limit: torch.Tensor | None = None,
                     per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 `[rows, cols]`, fp32 scales `[rows, groups]`) of `src`, a dynamic scale per row and
@@ -655,36 +532,37 @@ def fused_experts(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """The whole layer: sort, gate/up + activation, down + routing weight, top-k sum."""
+    """The whole layer: sort, gate/up + activation, down + routing weight, top-k sum, as the
+    plan of the launch table's entry (or `config`) on the current target says."""
     num_tokens, top_k = topk_ids.shape
-    config = config or launch_config(layer.shape, x.device, num_tokens)
+    plan = plan_for(layer, config, is_tiny(num_tokens, top_k)) if config else call_plan(layer, x.device, num_tokens)
     x = x.contiguous()
     hidden, inter = layer.shape.hidden, layer.shape.inter
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if is_tiny(num_tokens, top_k):
-        tiny = TinyOut.empty(num_tokens * top_k, inter, config.gate_up.split_k, x.device)
-        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, config, tiny)
-        down_tiny(tiny.act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, config, out)
+    if plan.tiny:
+        tiny = TinyOut.empty(num_tokens * top_k, inter, plan.gate_up.config.split_k, x.device)
+        gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, None, layer, plan, tiny)
+        down_tiny(tiny.act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, plan, out)
         return out
-    alignment = align(topk_ids, expert_map, layer.shape.experts, config.block_m)
-    act = torch.empty(alignment.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-    gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, config, act)
-    down_and_sum(act, w2, w2_scale, topk_weights, topk_ids, expert_map, alignment, layer, config, out)
+    alignment = align(topk_ids, expert_map, layer.shape.experts, plan.block_m)
+    act = torch.empty(alignment.num_blocks * plan.block_m, inter, dtype=x.dtype, device=x.device)
+    gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, act)
+    down_and_sum(act, w2, w2_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, out)
     return out
 
 
 def down_and_sum(
     act: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, alignment: Alignment, layer: Layer,
-    config: LaunchConfig, out: torch.Tensor,
+    plan: Plan, out: torch.Tensor,
 ) -> None:
     """General mode after gate/up: the down projection and the top-k sum into `out` `[M, H]`."""
     num_tokens, top_k = topk_ids.shape
     if top_k == 1:
         if expert_map is not None:
             out.zero_()  # tokens routed off this rank get no row written
-        down(act, w2, w2_scale, topk_weights, alignment, layer, config, out)
+        down(act, w2, w2_scale, topk_weights, alignment, layer, plan, out)
     else:
         routes = torch.empty(num_tokens * top_k, out.shape[1], dtype=out.dtype, device=out.device)
-        down(act, w2, w2_scale, topk_weights, alignment, layer, config, routes)
+        down(act, w2, w2_scale, topk_weights, alignment, layer, plan, routes)
         sum_routes(routes, topk_ids, expert_map, out)

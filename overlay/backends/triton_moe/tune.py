@@ -34,7 +34,7 @@ from .configs import (
     LaunchConfig,
     LayerShape,
     default_config,
-    device_shared_bytes,
+    device_name,
     down_tile,
     is_tiny,
     merge,
@@ -42,9 +42,11 @@ from .configs import (
     resident_bytes,
     resident_k,
     row_tiles,
+    shared_limit,
     stage_bytes,
     tiny_route_split,
 )
+from .target import Target, add_target_argument, current_target, use_target
 
 REG_BUDGET = 128  # fp32 accumulator registers per thread beyond which tiles spill
 MAX_SPLIT_K = 16
@@ -68,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON file to write; existing entries in it are kept unless re-tuned "
                              "(default: moe-overlay-triton-<device>.json here)")
     parser.add_argument("--explain", action="store_true",
-                        help="also print the fastest time of each kind of launch tried at each point")
+                        help="also print each point's plan (the kernel and tiles of each step) and the fastest "
+                             "time of each kind of launch tried")
+    add_target_argument(parser)
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that compile candidates in parallel")
 
@@ -114,37 +118,51 @@ def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
     return blocks
 
 
-def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, smem_bytes: int) -> bool:
+def _registers(values: int, cfg: KernelConfig, target: Target) -> int:
+    """Registers a thread holds for `values` fp32 values spread over a program's lanes."""
+    return values // (target.warp_size * cfg.num_warps)
+
+
+def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, target: Target, weight_bytes: float) -> bool:
     """Shared memory of the pipelined operand tiles, and accumulator registers per thread."""
-    regs = b_tiles * block_m * cfg.block_n // (32 * cfg.num_warps)
-    return cfg.num_stages * stage_bytes(block_m, cfg, b_tiles) <= smem_bytes and regs <= REG_BUDGET
+    return (cfg.num_stages * stage_bytes(block_m, cfg, b_tiles, weight_bytes) <= target.shared_bytes
+            and _registers(b_tiles * block_m * cfg.block_n, cfg, target) <= REG_BUDGET)
 
 
-def gemm_candidates(block_m: int, fp8: bool, b_tiles: int, smem_bytes: int) -> list[KernelConfig]:
+def _stages(target: Target, *deep: int) -> tuple[int, ...]:
+    """Pipeline depths to try: `deep` on NVIDIA; on AMD two and three (a program's 64 KiB of
+    LDS on gfx942 holds few deeper rings, and AMD's pipeliner double-buffers by default)."""
+    return (2, 3) if target.vendor == "amd" else deep
+
+
+def gemm_candidates(block_m: int, shape: LayerShape, b_tiles: int, target: Target) -> list[KernelConfig]:
     """gate/up (two B tiles per program: gate and up, or one interleaved tile twice as wide)
     or down (one): narrow tiles for weight streaming (small blocks), big ones for the tensor
     cores (large blocks), down to stages small enough for two programs per multiprocessor
     (one's epilogue then overlaps the other's main loop)."""
+    fp8 = shape.fp8
     if block_m <= 32:
         block_ks = (128,) if fp8 else (64, 128, 256)
-        grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in (3, 4)]
-        if fp8:  # the weight tile as wgmma's M (launch.weight_left), also 128 rows over two warpgroups
-            grid += _weight_left([*grid, KernelConfig(128, 128, 8, 3), KernelConfig(128, 128, 8, 4)])
+        grid = [KernelConfig(n, k, 4, s) for n in (32, 64, 128) for k in block_ks for s in _stages(target, 3, 4)]
+        if fp8:  # the weight tile as wgmma's M (plan: weight-left), also 128 rows over two warpgroups
+            grid += _weight_left([*grid, KernelConfig(128, 128, 8, 3), KernelConfig(128, 128, 8, 4)], target)
     else:
         block_ks = (128,) if fp8 else (32, 64, 128)
         grid = [KernelConfig(n, k, w, s, 8) for n in (32, 64, 128, 256) for k in block_ks for w in (4, 8)
-                for s in (3, 4)]
+                for s in _stages(target, 3, 4)]
         if fp8 and min(t for t in row_tiles(block_m) if t) < 64:  # a block of three row tiles, one of them under
-            grid += _weight_left(grid)  # wgmma's 64 rows (48: 32 and 16; 96: 64 and 32)
+            grid += _weight_left(grid, target)  # wgmma's 64 rows (48: 32 and 16; 96: 64 and 32)
     if block_m >= 128:  # wide tiles at 16 warps: a block's rows are re-read through the L2 once per N tile
-        grid += [KernelConfig(n, k, 16, s, 8) for n in (128, 256) for k in block_ks for s in (3, 4, 6)]
-    return [c for c in grid if _fits(block_m, c, b_tiles, smem_bytes)]
+        grid += [KernelConfig(n, k, 16, s, 8) for n in (128, 256) for k in block_ks for s in _stages(target, 3, 4, 6)]
+    return [c for c in grid if _fits(block_m, c, b_tiles, target, shape.weight_bytes)]
 
 
-def _weight_left(cfgs: list[KernelConfig]) -> list[KernelConfig]:
+def _weight_left(cfgs: list[KernelConfig], target: Target) -> list[KernelConfig]:
     """fp8 candidates of few rows, again with the weight tile as the dot's left operand where it
-    has the 64 rows wgmma's M takes a warpgroup (launch.weight_left; DeepSeek-V3 fp8-block
-    M=1024 on an H200, the shipped entry: 588 -> 513 us)."""
+    has the 64 rows wgmma's M takes a warpgroup (plan.Step.weight_left; Hopper only;
+    DeepSeek-V3 fp8-block M=1024 on an H200, the shipped entry: 588 -> 513 us)."""
+    if not target.hopper:
+        return []
     return [replace(c, weight_left=True) for c in cfgs if c.num_warps >= 4 and c.block_n >= 16 * c.num_warps]
 
 
@@ -202,7 +220,7 @@ def gluon_mx_tiny_down_candidates(shape: LayerShape) -> list[KernelConfig]:
             if shares(split) and shape.hidden % n == 0 and shape.inter % k == 0]
 
 
-def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
+def gate_up_tiny_candidates(shape: LayerShape, target: Target) -> list[KernelConfig]:
     """One expert's rows at most: narrow N tiles and K split over programs to keep HBM busy
     (bf16/fp16 tiles of 8 columns are 16 interleaved gate/up rows, a dot's least N), and 8
     warps for wider tiles (more warps in flight: the one-token gate/up runs under one wave,
@@ -215,21 +233,23 @@ def gate_up_tiny_candidates(fp8: bool, smem_bytes: int) -> list[KernelConfig]:
     128-wide group or two and takes wider N tiles, up to 128 one-byte weights a thread (on an
     H200 the block-fp8 one-token gate/up, alone: DeepSeek-V3's best 12.7 us with two groups a
     step, 16 columns, 2 warps, K split 8, against 13.8 with one; Kimi-K3's 16.4 against 16.7)."""
+    fp8 = shape.fp8
     block_ks = (128,) if fp8 else (64, 128, 256)
     block_ns = (16, 32, 64, 128) if fp8 else (8, 16, 32, 64)  # fp8: 64 weight rows and up are wgmma's M
     grid = [KernelConfig(n, k, w, stages, split_k=s) for n in block_ns for k in block_ks for w in (2, 4)
-            for stages in (3, 4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
+            for stages in _stages(target, 3, 4, 6) for s in (1, 2, 4, 8, MAX_SPLIT_K)]
     grid += [KernelConfig(n, k, 8, 3, split_k=s) for n in block_ns if n >= 32 for k in block_ks for s in (2, 4, 8)]
     if fp8:
-        grid += _weight_left(grid)
+        grid += _weight_left(grid, target)
     gemv_ns, gemv_ks = ((8, 16, 32), FP8_GEMV_STEPS) if fp8 else ((4, 8, 16), (128, 256, 512))
     most = 128 if fp8 else 64
     gemv = [KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in gemv_ns for k in gemv_ks
-            for w in (2, 4, 8) for s in (1, 2, 4, 8, MAX_SPLIT_K) if 8 <= 2 * n * k // (32 * w) <= most]
-    return [c for c in grid if _fits(TINY_ROUTES, c, 2, smem_bytes)] + gemv
+            for w in (2, 4, 8) for s in (1, 2, 4, 8, MAX_SPLIT_K)
+            if 8 <= 2 * n * k // (target.warp_size * w) <= most]
+    return [c for c in grid if _fits(TINY_ROUTES, c, 2, target, shape.weight_bytes)] + gemv
 
 
-def resident_down_candidates(block_m: int, shape: LayerShape, smem_bytes: int) -> list[KernelConfig]:
+def resident_down_candidates(block_m: int, shape: LayerShape, target: Target) -> list[KernelConfig]:
     """down_resident_kernel (bf16/fp16 and block fp8, I of at most RESIDENT_MAX_I): the
     activation block and num_stages weight tiles of all of I in shared memory; 1 to 4
     programs per M block (block fp8: 1 or 2, up to 5 stages, and with weight-left dots for
@@ -243,11 +263,11 @@ def resident_down_candidates(block_m: int, shape: LayerShape, smem_bytes: int) -
         grid = [KernelConfig(n, k, w, s, n_split=split) for n in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)
                 for split in (1, 2, 4)]
     else:
-        grid = [KernelConfig(n, FP8_STEP, 4, s, n_split=split, descriptors=True, resident=True)
-                for n in (32, 64, 128) for s in (3, 4, 5) for split in (1, 2)]
-        grid += _weight_left(grid) if block_m < 64 else []
-    return [c for c in grid if resident_bytes(block_m, c, shape) <= smem_bytes
-            and block_m * c.block_n // (32 * c.num_warps) <= REG_BUDGET]
+        grid = [KernelConfig(n, FP8_STEP, 4, s, n_split=split, descriptors=target.hopper, resident=True)
+                for n in (32, 64, 128) for s in _stages(target, 3, 4, 5) for split in (1, 2)]
+        grid += _weight_left(grid, target) if block_m < 64 else []
+    return [c for c in grid if resident_bytes(block_m, c, shape) <= target.shared_bytes
+            and _registers(block_m * c.block_n, c, target) <= REG_BUDGET]
 
 
 def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> list[KernelConfig]:
@@ -256,7 +276,7 @@ def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> li
     return [] if interleaved else [replace(c, n_split=split) for c in tiled for split in STREAM_SPLITS]
 
 
-def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig]:
+def down_tiny_candidates(fp8: bool, top_k: int, inter: int, target: Target) -> list[KernelConfig]:
     """Matrix-vector products of a token's routes at once: [routes, BLOCK_N, BLOCK_K] weight
     tiles and [routes, BLOCK_K] activations in registers, the routes all k or shared by 2 or 4
     programs (split_k: more programs where one token's H / BLOCK_N leave multiprocessors
@@ -269,7 +289,7 @@ def down_tiny_candidates(fp8: bool, top_k: int, inter: int) -> list[KernelConfig
     block_ks = tuple(k for k in steps if k <= widest or (fp8 and k == FP8_STEP))
     k_pad = 1 << (top_k - 1).bit_length()
     return [KernelConfig(n, k, w, 1, split_k=split) for n in (16, 32, 64) for k in block_ks for w in (4, 8)
-            for split in (1, 2, 4) if split <= k_pad and k_pad // split * n * k // (32 * w) <= REG_BUDGET]
+            for split in (1, 2, 4) if split <= k_pad and k_pad // split * n * k // (target.warp_size * w) <= REG_BUDGET]
 
 
 @dataclass(frozen=True)
@@ -279,23 +299,26 @@ class Candidates:
     down: list[KernelConfig]
 
 
-def candidates(point: Point, smem_bytes: int) -> list[Candidates]:
+def candidates(point: Point, target: Target) -> list[Candidates]:
+    """Every launch the tuner times at `point` on `target`: what fits its shared memory, and
+    the NVIDIA-only kernels (Gluon) where the target is Hopper."""
     fp8, top_k, inter = point.shape.fp8, point.spec.top_k, point.spec.intermediate_size
+    gluon = target.hopper
     if is_tiny(point.tokens, top_k):
-        gate_ups, downs = gate_up_tiny_candidates(fp8, smem_bytes), down_tiny_candidates(fp8, top_k, inter)
-        if point.shape.weights == "mxfp4":
+        gate_ups, downs = gate_up_tiny_candidates(point.shape, target), down_tiny_candidates(fp8, top_k, inter, target)
+        if gluon and point.shape.weights == "mxfp4":
             gate_ups += gluon_mx_tiny_candidates(point.shape)
             downs += gluon_mx_tiny_down_candidates(point.shape)
         return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, downs))]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
-        tiled = gemm_candidates(down_tile(b), fp8, 1, smem_bytes)
-        downs = (tiled + resident_down_candidates(down_tile(b), point.shape, smem_bytes)
+        tiled = gemm_candidates(down_tile(b), point.shape, 1, target)
+        downs = (tiled + resident_down_candidates(down_tile(b), point.shape, target)
                  + streamed_down_candidates(tiled, point.shape.interleaved))
-        gate_ups = gemm_candidates(b, fp8, 2, smem_bytes)
-        if point.shape.weights == "fp8-block" and b == GLUON_BLOCK_M:
+        gate_ups = gemm_candidates(b, point.shape, 2, target)
+        if gluon and point.shape.weights == "fp8-block" and b == GLUON_BLOCK_M:
             gate_ups += gluon_candidates()
-        elif point.shape.weights == "mxfp4" and b in GLUON_MX_BLOCK_MS:
+        elif gluon and point.shape.weights == "mxfp4" and b in GLUON_MX_BLOCK_MS:
             gate_ups += gluon_mx_candidates()
             downs += gluon_mx_down_candidates()
         cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
@@ -359,17 +382,17 @@ class Problem:
         outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device="cuda") for _ in self.inputs]
 
         def gate_up(cfg: KernelConfig) -> None:
-            config = LaunchConfig(block_m, cfg, cfg)
+            plan = launch.plan_for(layer, LaunchConfig(block_m, cfg, cfg), self.tiny)
             for (x, w, ids), a, act in zip(self.inputs, aligns, acts, strict=True):
-                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, config, act)
+                launch.gate_up(x, t["w13"], t.get("w13_scale"), w, ids, None, a, layer, plan, act)
 
         def down(cfg: KernelConfig) -> None:
-            config = LaunchConfig(block_m, cfg, cfg)
+            plan = launch.plan_for(layer, LaunchConfig(block_m, cfg, cfg), self.tiny)
             for (_, w, ids), a, act, out in zip(self.inputs, aligns, acts, outs, strict=True):
                 if a is None:
-                    launch.down_tiny(act.act, t["w2"], t.get("w2_scale"), w, ids, None, layer, config, out)
+                    launch.down_tiny(act.act, t["w2"], t.get("w2_scale"), w, ids, None, layer, plan, out)
                 else:
-                    launch.down_and_sum(act, t["w2"], t.get("w2_scale"), w, ids, None, a, layer, config, out)
+                    launch.down_and_sum(act, t["w2"], t.get("w2_scale"), w, ids, None, a, layer, plan, out)
 
         return gate_up, down
 
@@ -442,10 +465,11 @@ def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig],
     return timed[0] if timed else None
 
 
-def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, float, list[str]]:
-    """The fastest (block_m, gate/up, down) for one point, its time per call in seconds, and
-    the fastest time of each kind of launch tried (for --explain)."""
+def tune_point(point: Point, cands: list[Candidates], target: Target) -> tuple[LaunchConfig, float, list[str]]:
+    """The fastest (block_m, gate/up, down) for one point on `target`, its time per call in
+    seconds, and (for --explain) its plan and the fastest time of each kind of launch tried."""
     problem = Problem(point, ROUTINGS, random=True)
+    descriptors = target.hopper and not problem.tiny  # tensor descriptors: Hopper's, in sorted mode
     pairs: list[tuple[LaunchConfig, float]] = []
     kinds: list[str] = []
     total, done, started, said = sum(len(c.gate_up) + len(c.down) for c in cands), 0, time.time(), time.time()
@@ -469,11 +493,11 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
             kind = point.shape.down_kind(d)
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
-                 if (r := _fastest(down, ds, not problem.tiny and point.shape.weights != "mxfp4"))}
+                 if (r := _fastest(down, ds, descriptors and point.shape.weights != "mxfp4"))}
         count_timed(len(c.down))
         for split, gemv in sorted({(g.split_k, g.gemv) for g in c.gate_up}):
             group = [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)]
-            gu = _fastest(gate_up, group, not problem.tiny and point.shape.interleaved)
+            gu = _fastest(gate_up, group, descriptors and point.shape.interleaved)
             count_timed(len(group))
             if gu is None or not downs:
                 continue
@@ -483,10 +507,13 @@ def tune_point(point: Point, cands: list[Candidates]) -> tuple[LaunchConfig, flo
             pairs.append((LaunchConfig(c.block_m, gu[0], down_cfg), gu[1] + down_s))
     if not pairs:
         raise RuntimeError(f"no candidate launch configuration ran for {point.name} M={point.tokens}")
-    if problem.tiny and not (pairs := _with_pdl(problem, _leaders(pairs), kinds)):
+    if problem.tiny and not (pairs := _with_pdl(problem, _leaders(pairs), kinds, target)):
         raise RuntimeError(f"no one-token layer ran for {point.name} M={point.tokens}")
     best = min(pairs, key=lambda r: r[1])
-    return best[0], best[1] / ROUTINGS, kinds
+    from . import launch
+
+    return best[0], best[1] / ROUTINGS, [f"plan: {launch.plan_for(problem.layer, best[0], problem.tiny).describe()}",
+                                         *kinds]
 
 
 def _leaders(pairs: list[tuple[LaunchConfig, float]]) -> list[LaunchConfig]:
@@ -498,20 +525,19 @@ def _leaders(pairs: list[tuple[LaunchConfig, float]]) -> list[LaunchConfig]:
     return list(leaders.values())
 
 
-def _with_pdl(problem: Problem, leaders: list[LaunchConfig], kinds: list[str]) -> list[tuple[LaunchConfig, float]]:
+def _with_pdl(problem: Problem, leaders: list[LaunchConfig], kinds: list[str],
+              target: Target) -> list[tuple[LaunchConfig, float]]:
     """Tiny mode's pairs of launches timed together, each leader's down started by
-    programmatic dependent launch and not (where the GPU has it: launch.uses_pdl): the layers
+    programmatic dependent launch and not (where the target has it: Hopper): the layers
     that ran and their seconds, for the fastest to be kept. PDL's gain is an overlap the
     kernels' separate timings cannot show: on an H200 1-2 us for most one-token layers, and a
     loss of 1 us for Kimi-K3's bf16 one. It differs by gate/up: beside the gemv's light
     programs the down starts sooner (Kimi-K3 fp8-block: the gemv gate/up 0.9 us faster alone,
     its layer 2.7 us), so a leader of each kind runs."""
-    from . import launch
-
     timed: list[tuple[LaunchConfig, float]] = []
     for config in leaders:
         variants = [replace(config, down=replace(config.down, pdl=pdl)) for pdl in (False, True)]
-        runs = _timed(problem.run_layer, variants if launch.uses_pdl(variants[1]) else variants[:1])
+        runs = _timed(problem.run_layer, variants if target.hopper else variants[:1])
         kinds.append(f"layer, {'gemv' if config.gate_up.gemv else 'dot'} gate/up: " + ", ".join(
             f"{'PDL' if c.down.pdl else 'no PDL'} {s / ROUTINGS * 1e6:.1f} us"
             for c, s in sorted(runs, key=lambda r: r[0].down.pdl)))
@@ -527,15 +553,19 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("moe-overlay tune needs a CUDA or ROCm GPU")
         return 1
-    device = torch.cuda.get_device_name()
-    smem = device_shared_bytes(torch.device("cuda", torch.cuda.current_device()))
+    use_target(args.target)
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    target = current_target()
+    target = replace(target, shared_bytes=shared_limit(gpu, target))
+    # the table's key: the GPU's name, or in target mode the target's (its architecture)
+    device = target.arch if target.stands_in else device_name(gpu)
     out = args.out or Path(f"moe-overlay-triton-{device.replace(' ', '_')}.json")
     points = points_from_args(args)
-    plan = [(p, candidates(p, smem)) for p in points]
+    plan = [(p, candidates(p, target)) for p in points]
     tasks = compile_tasks(plan)
     total = sum(len(kernels) for _, _, kernels in tasks)
-    print(f"tuning {len(points)} points on {device}: {total} kernels to compile with {args.jobs} processes",
-          flush=True)
+    print(f"tuning {len(points)} points for {target.describe()}: {total} kernels to compile with {args.jobs} "
+          "processes", flush=True)
     started = time.time()
     failed = 0
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -546,7 +576,7 @@ def run(args: argparse.Namespace) -> int:
                       f"[{time.time() - started:.0f}s]", flush=True)
     table: dict[str, Any] = read_file(out) if out.exists() else {}
     for n, (point, cands) in enumerate(plan, 1):
-        config, seconds, kinds = tune_point(point, cands)
+        config, seconds, kinds = tune_point(point, cands, target)
         entry = {**config.to_json(), "tuned_us": round(seconds * 1e6, 1)}
         table = merge(table, {device: {point.shape.key: {str(point.tokens): entry}}})
         out.write_text(json.dumps({"devices": table}, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,142 @@
+"""What the GPU the kernels compile for can do, decided here and nowhere else: the layout of
+mxfp4 weights, which launch-table entries apply, how much shared memory (LDS) a program may
+take, and whether the NVIDIA-only kernels and launch features exist (nvidia.py).
+
+Targets are named by architecture: gfx942 (MI300X, MI325X), gfx950 (MI355X), sm_XY (NVIDIA).
+Target mode: MOE_OVERLAY_TRITON_TARGET=gfx942 (or gfx950) on an NVIDIA GPU makes that GPU
+stand in for the AMD target. The backend then runs exactly what the target would: its mxfp4
+layout, its launch-table entries (or the untuned defaults), fitted to its LDS, and none of
+NVIDIA's features. What a stand-in cannot reproduce, the target's timings do not show: the
+AMD compiler and its matrix instructions, a wave of 64 lanes (4 warps are 256 threads
+there, 128 here), gfx950's fp4 conversion instructions (tl.dot_scaled's decode runs in
+plain instructions here), and fp8's flavour (gfx942's e4m3fnuz runs as e4m3fn: same bytes,
+same speed). `make amd-report` compiles the target's entries for the target itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, replace
+from functools import cache
+
+TARGET_ENV = "MOE_OVERLAY_TRITON_TARGET"
+MX_LAYOUT_ENV = "MOE_OVERLAY_TRITON_MX_LAYOUT"  # words | bytes: measure the other mxfp4 layout on a target
+MX_LAYOUTS = ("words", "bytes")
+NVIDIA_SHARED_BYTES = 227 * 1024  # a program's shared memory at most on Hopper (sm_90); the device says its own
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU architecture as the kernels see it."""
+
+    arch: str  # gfx942, gfx950, sm_90, ...; "interpreter" for Triton's CPU interpreter
+    vendor: str  # amd, nvidia or cpu (the interpreter)
+    shared_bytes: int  # shared memory (LDS) a program may use; 0: no limit (the interpreter)
+    warp_size: int  # lanes a warp (a wave on AMD)
+    hopper: bool = False  # NVIDIA sm_90+: Gluon wgmma kernels, PDL, tensor descriptors, weight-left fp8 dots
+    mx_words: bool = False  # mxfp4 with bf16 activations as recoded int32 words (layout.mx_words), decoded by
+    # integer operations into a bf16 dot; else packed bytes through tl.dot_scaled
+    stands_in: str = ""  # the GPU that runs this target's kernels in target mode (its name), else ""
+
+    @property
+    def table_keys(self) -> tuple[str, ...]:
+        """The launch table's device keys this target reads, after the device's own name on
+        a real GPU of it: AMD entries are kept by architecture (MI300X and MI325X are gfx942)."""
+        return (self.arch,) if self.vendor == "amd" else ()
+
+    def describe(self) -> str:
+        kind = "words" if self.mx_words else "packed bytes (tl.dot_scaled)"
+        where = f"stood in for by {self.stands_in}" if self.stands_in else "this GPU"
+        nvidia = "Gluon, PDL, tensor descriptors" if self.hopper else "no NVIDIA-only kernels"
+        return (f"target {self.arch} ({where}): {self.shared_bytes // 1024} KiB of shared memory a program, "
+                f"mxfp4 as {kind}, {nvidia}")
+
+
+# AMD Instinct targets: 64 KiB of LDS a workgroup on gfx942, 160 KiB on gfx950.
+AMD_TARGETS = {
+    "gfx942": Target("gfx942", "amd", 64 * 1024, 64),
+    "gfx950": Target("gfx950", "amd", 160 * 1024, 64),
+}
+INTERPRETER = Target("interpreter", "cpu", 0, 32)
+
+
+def amd_target(arch: str) -> Target:
+    """An AMD target by architecture; one not listed gets gfx942's limits (64 KiB of LDS)."""
+    return AMD_TARGETS.get(arch) or replace(AMD_TARGETS["gfx942"], arch=arch)
+
+
+def nvidia_target(capability: int, shared_bytes: int = NVIDIA_SHARED_BYTES) -> Target:
+    """NVIDIA by compute capability (90 for sm_90): mxfp4 as words on every NVIDIA GPU (faster
+    than tl.dot_scaled's decode on an H200: docs/performance.md)."""
+    return Target(f"sm_{capability}", "nvidia", shared_bytes, 32, hopper=capability >= 90, mx_words=True)
+
+
+def stand_in(real: Target, device_name: str) -> Target:
+    """`real` as target mode has it: the target named by MOE_OVERLAY_TRITON_TARGET (an NVIDIA
+    GPU standing in for it), and the mxfp4 layout MOE_OVERLAY_TRITON_MX_LAYOUT asks for."""
+    named = os.environ.get(TARGET_ENV, "")
+    target = real
+    if named:
+        if named not in AMD_TARGETS:
+            raise ValueError(f"{TARGET_ENV}={named!r} is not a target; use one of {', '.join(AMD_TARGETS)}")
+        if real.vendor == "amd" and real.arch != named:
+            raise ValueError(f"{TARGET_ENV}={named} cannot run on {real.arch}: an AMD GPU runs as itself")
+        if real.vendor == "nvidia":
+            target = replace(AMD_TARGETS[named], stands_in=device_name)
+    layout = os.environ.get(MX_LAYOUT_ENV, "")
+    if layout:
+        if layout not in MX_LAYOUTS:
+            raise ValueError(f"{MX_LAYOUT_ENV}={layout!r} is not an mxfp4 layout; use one of {', '.join(MX_LAYOUTS)}")
+        target = replace(target, mx_words=layout == "words")
+    return target
+
+
+def platform_target(vendor: str, arch: str, device_name: str) -> Target:
+    """The target of a GPU as torch describes it (backend.Platform: amd with gfx942, nvidia
+    with sm_90; anything else: the interpreter's), in target mode the one it stands in for."""
+    if vendor not in ("amd", "nvidia"):
+        return INTERPRETER
+    real = amd_target(arch) if vendor == "amd" else nvidia_target(int(arch.removeprefix("sm_")))
+    return stand_in(real, device_name)
+
+
+def current_target() -> Target:
+    """The target Triton compiles for now (its active driver: a GPU here, or one that is not,
+    as the compile tests set), in target mode the one it stands in for."""
+    import triton
+
+    from . import kernels
+
+    if not isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction):
+        return INTERPRETER
+    gpu = triton.runtime.driver.active.get_current_target()
+    return _target_of(gpu.backend, str(gpu.arch), os.environ.get(TARGET_ENV, ""),
+                      os.environ.get(MX_LAYOUT_ENV, ""))
+
+
+@cache
+def _target_of(backend: str, arch: str, named: str, layout: str) -> Target:
+    """(The environment's two names key the cache: stand_in reads them.)"""
+    if backend == "hip":
+        return platform_target("amd", arch, arch)
+    return platform_target("nvidia", f"sm_{arch}", _device_name())
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "an NVIDIA GPU"
+
+
+def add_target_argument(parser: argparse.ArgumentParser) -> None:
+    """`--target`, for the benchmark and the tuner (`make bench-gpu TARGET=gfx942`)."""
+    parser.add_argument("--target", choices=list(AMD_TARGETS), default=os.environ.get(TARGET_ENV) or None,
+                        help=f"target mode: this NVIDIA GPU stands in for an AMD target, running only what it "
+                             f"would (default: ${TARGET_ENV}, else the GPU as itself)")
+
+
+def use_target(named: str | None) -> None:
+    """Target mode from here on, for this process and those it starts (the tuner's compilers)."""
+    if named:
+        os.environ[TARGET_ENV] = named

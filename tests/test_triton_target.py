@@ -1,0 +1,134 @@
+"""Target mode and the launch plan without a GPU: what each target can do is decided in one
+place (triton_moe/target.py), and an NVIDIA GPU standing in for gfx942 or gfx950 gets exactly
+what that target runs: its mxfp4 layout, its launch-table entries fitted to its LDS, and none
+of NVIDIA's kernels or launch features."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import moe_overlay as mo
+from moe_overlay.backends.problems import model, with_weights
+from moe_overlay.backends.triton_moe import configs, target
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, MX_LAYOUT_ENV, TARGET_ENV, nvidia_target
+
+H100 = mo.Platform("cuda", "nvidia", "sm_90")
+KIMI = model("Kimi-K3").spec
+
+
+@pytest.fixture(autouse=True)
+def _no_target_mode(monkeypatch):
+    monkeypatch.delenv(TARGET_ENV, raising=False)
+    monkeypatch.delenv(MX_LAYOUT_ENV, raising=False)
+
+
+def test_an_nvidia_gpu_stands_in_for_an_amd_target_with_its_limits_and_none_of_nvidias_features(monkeypatch):
+    hopper = nvidia_target(90)
+    assert hopper.hopper and hopper.mx_words and not hopper.stands_in
+    assert target.stand_in(hopper, "NVIDIA H200") == hopper  # not asked: the GPU as itself
+    monkeypatch.setenv(TARGET_ENV, "gfx942")
+    gfx942 = target.stand_in(hopper, "NVIDIA H200")
+    assert gfx942 == replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200")
+    assert (gfx942.shared_bytes, gfx942.warp_size, gfx942.hopper) == (64 * 1024, 64, False)
+    assert "stood in for by NVIDIA H200" in gfx942.describe() and "no NVIDIA-only kernels" in gfx942.describe()
+    monkeypatch.setenv(TARGET_ENV, "gfx950")
+    assert target.stand_in(hopper, "NVIDIA H200").shared_bytes == 160 * 1024
+    # an AMD GPU runs as itself: its own architecture is no stand-in, another one is refused
+    assert target.stand_in(AMD_TARGETS["gfx950"], "gfx950") == AMD_TARGETS["gfx950"]
+    with pytest.raises(ValueError, match=f"{TARGET_ENV}=gfx950 cannot run on gfx942"):
+        target.stand_in(AMD_TARGETS["gfx942"], "gfx942")
+    monkeypatch.setenv(TARGET_ENV, "mi300x")
+    with pytest.raises(ValueError, match=f"{TARGET_ENV}='mi300x' is not a target; use one of gfx942, gfx950"):
+        target.stand_in(hopper, "NVIDIA H200")
+
+
+def test_the_mxfp4_layout_can_be_asked_for_to_measure_the_other_one(monkeypatch):
+    monkeypatch.setenv(MX_LAYOUT_ENV, "words")
+    assert target.stand_in(AMD_TARGETS["gfx950"], "gfx950").mx_words
+    monkeypatch.setenv(MX_LAYOUT_ENV, "bytes")
+    assert not target.stand_in(nvidia_target(90), "NVIDIA H200").mx_words
+    monkeypatch.setenv(MX_LAYOUT_ENV, "nibbles")
+    with pytest.raises(ValueError, match=f"{MX_LAYOUT_ENV}='nibbles' is not an mxfp4 layout"):
+        target.stand_in(nvidia_target(90), "NVIDIA H200")
+
+
+def test_the_layout_follows_the_target_not_the_vendor(monkeypatch):
+    triton_backend = mo.get_backend("triton")
+    spec = with_weights(KIMI, "mxfp4")
+    words = mo.Layout("triton", mx_words=True)
+    expected = {name: words if t.mx_words else mo.CANONICAL for name, t in AMD_TARGETS.items()}
+    assert triton_backend.layout_for(spec, H100) == words
+    for arch in AMD_TARGETS:
+        assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", arch)) == expected[arch]
+    for arch in AMD_TARGETS:
+        monkeypatch.setenv(TARGET_ENV, arch)  # the H100 standing in for it takes its layout
+        assert triton_backend.layout_for(spec, H100) == expected[arch]
+    monkeypatch.delenv(TARGET_ENV)
+    monkeypatch.setenv(MX_LAYOUT_ENV, "words")
+    assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", "gfx950")) == words
+
+
+def test_target_mode_reads_the_targets_entries_only_fitted_to_its_lds():
+    gpu, shape = torch.device("cuda", 0), configs.LayerShape.of(with_weights(KIMI, "bf16"))
+    stand_in = replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200")
+    assert configs.table_devices(gpu, stand_in) == ("gfx942",)  # never the H200's own entries
+    assert configs.shared_limit(gpu, stand_in) == 64 * 1024
+    assert configs.table_devices(torch.device("cpu"), AMD_TARGETS["gfx950"]) == ("cpu", "gfx950")
+    assert configs.shared_limit(torch.device("cpu"), AMD_TARGETS["gfx950"]) == 160 * 1024  # compiled for it here
+    table = {"NVIDIA H200": {shape.key: {"1024": _entry(128, 6)}}, "gfx942": {shape.key: {"1024": _entry(64, 2)}}}
+    assert configs.lookup(table, ("NVIDIA H200", "gfx942"), shape, 1024)[0].block_m == 128
+    config, tuned = configs.lookup(table, ("gfx942",), shape, 1024)
+    assert tuned and config.block_m == 64
+    # the H200-sized entry, were it read on gfx942, has its stages lowered to fit 64 KiB
+    h200 = configs.LaunchConfig.from_json(_entry(128, 6))
+    fitted = configs.fit_shared(h200, shape, 1024, 64 * 1024)
+    assert fitted.gate_up.num_stages < 6 and all(
+        used <= 64 * 1024 for used in configs.shared_bytes(fitted, shape, 1024).values())
+
+
+def test_the_tuner_offers_a_stand_in_only_what_its_target_runs():
+    from moe_overlay.backends.triton_moe.tune import Point, candidates
+
+    gfx942 = replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200")
+    for weights in ("bf16", "fp8-block", "mxfp4"):
+        for tokens in (1, 128, 8192):
+            point = Point("Kimi-K3", with_weights(KIMI, weights), tokens)
+            amd = [k for c in candidates(point, gfx942) for k in c.gate_up + c.down]
+            nvidia = [k for c in candidates(point, nvidia_target(90)) for k in c.gate_up + c.down]
+            assert amd, (weights, tokens)
+            assert not any(k.gluon or k.weight_left or k.descriptors or k.pdl for k in amd), (weights, tokens)
+            assert {k.num_stages for k in amd} <= {1, 2, 3}
+            assert any(k.gluon or k.weight_left or k.descriptors for k in nvidia) == (weights != "bf16")
+
+
+def test_the_plan_says_which_kernel_runs_each_step_and_runs_nvidias_only_on_hopper():
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import plan
+
+    words = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ", mx_words=True)
+    config = configs.LaunchConfig(16, configs.KernelConfig(64, 64, 4, 3, split_k=4, gluon=True),
+                                  configs.KernelConfig(128, 128, 4, 2, split_k=16, gluon=True, pdl=True))
+    hopper, gfx942 = nvidia_target(90), replace(AMD_TARGETS["gfx942"], mx_words=True)
+    on_amd = plan.make_plan(words, config, True, gfx942)
+    assert (on_amd.gate_up.kernel, on_amd.down.kernel, on_amd.pdl) == (plan.GATE_UP, plan.DOWN_TINY, False)
+    assert on_amd.describe() == ("gfx942, tiny mode (no sort): gate/up gate_up (N 64 K 64, 4 warps, 3 stages, "
+                                 "K split 4); down tiny (N 128 K 128, 4 warps, 2 stages, 16 programs a token)")
+    if plan.gluon_kernels is not None:
+        on_hopper = plan.make_plan(words, config, True, hopper)
+        assert (on_hopper.gate_up.kernel, on_hopper.down.kernel, on_hopper.pdl) == (
+            plan.GLUON_MX_TINY, plan.GLUON_MX_TINY, True)
+        assert on_hopper.describe().endswith("; PDL")
+    block = plan.Layer(configs.LayerShape(256, 7168, 256, 8, "fp8-block"), granularity="block")
+    sorted_config = configs.LaunchConfig(48, configs.KernelConfig(64, 128, 4, 3, weight_left=True),
+                                         configs.KernelConfig(64, 128, 4, 3, n_split=2, resident=True,
+                                                              descriptors=True))
+    for t, left, desc in ((hopper, True, True), (gfx942, False, False)):
+        p = plan.make_plan(block, sorted_config, False, t)
+        assert p.gate_up.kernel == plan.GATE_UP and p.gate_up.quantise_first and p.gate_up.weight_left == left
+        assert p.down.kernel == plan.RESIDENT and p.down.descriptors == desc
+
+
+def _entry(block_m: int, stages: int) -> dict:
+    kernel = {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": stages, "group_m": 8}
+    return {"block_m": block_m, "gate_up": kernel, "down": kernel}
