@@ -93,6 +93,13 @@ def test_config_check_command(tmp_path):
     assert_config_check(result.stdout, CONFIGS, vllm.__version__)
 
 
+def test_config_check_says_when_it_cannot_build_the_stand_in(monkeypatch):
+    monkeypatch.setenv("MOE_OVERLAY_VAR", "/proc/no-such-state-dir")  # as in an image whose folder is read-only
+    result = _cli("config", "check", str(ROOT / "configs" / "kimi-k3-mi355x-tp8.yaml"))
+    assert result.returncode == 0 and "; MoE quant method not checked: [Errno 2] No such file or directory: " \
+        "'/proc/no-such-state-dir'" in result.stdout, result.stdout
+
+
 def test_config_check_fails_a_strict_deployment_whose_moe_quant_method_is_not_mapped(tmp_path):
     """fp8 with static activation scales (quantization_config in the checkpoint's config.json): strict
     refuses it at start-up, and config check says so first, naming upstream's method and why."""

@@ -49,7 +49,10 @@ def _check_with_vllm(deployment: Deployment) -> str:
 
     check_deployment(deployment)
     parsed = f"vLLM {vllm_version()} parses every node's command line"
-    checkpoint = checkpoint_folder(deployment)
+    try:
+        checkpoint = checkpoint_folder(deployment)
+    except OSError as err:  # the twin that stands in for it cannot be built here (a read-only state dir)
+        return f"{parsed}; MoE quant method not checked: {err}"
     if checkpoint is None:
         return f"{parsed}; MoE quant method not checked: no config.json of {deployment.model} here"
     folder, what = checkpoint
