@@ -109,6 +109,14 @@ gpu-install:
 test-gpu: gpu-install
 	$(GPU_ENV) MOE_OVERLAY_GPU_LANE=1 $(PYTHON) -m pytest -m gpu -p no:cacheprovider
 
+# Each launch gfx942 and gfx950 run for the shipped layers (tuned entries or fitted defaults), compiled
+# here with Triton's AMD backend (no GPU): VGPRs/AGPRs, spills, LDS, waves a SIMD, MFMAs a K step.
+# Exits 1 on a spill or an LDS overflow. AMD_REPORT_ARGS, e.g. "--target gfx942 --weights mxfp4".
+AMD_REPORT_ARGS ?=
+.PHONY: amd-report
+amd-report: install
+	$(PY) -m moe_overlay.backends.triton_moe.amd_report $(AMD_REPORT_ARGS)
+
 # WEIGHTS: bf16 (default; the four models), fp8-block (DeepSeek-V3, Kimi-K3), mxfp4 (Kimi-K3),
 # fp8-channel-token (Maverick), or fp16, fp8-tensor, fp8-channel; BENCH_ARGS, e.g.
 # "--model Kimi-K3 --tokens 1,8192 --markdown table.md". It exits 2 where a layer beats its floor.

@@ -25,14 +25,13 @@ import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
-from moe_overlay.backends.triton_moe.target import current_target  # noqa: E402
+from moe_overlay.backends.triton_moe.offline import AbsentGpu  # noqa: E402
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, current_target  # noqa: E402
 from moe_overlay.layout import to_layout  # noqa: E402
-from tests.absent_gpu import AbsentGpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
 
 ARCHS = ("gfx942", "gfx950")
-LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}  # a workgroup's shared memory (LDS) at most
 FORMATS = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-channel-token", "mxfp4")
 SPEC = mo.MoESpec(8, 512, 256, 2, mo.Activation.situ(3.0, 9.0))
 # The matrix instructions of the general-mode gate/up and down kernels (sorted rows, tensor cores),
@@ -75,7 +74,7 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     if weights == "fp8-block":  # the resident down an H200 entry may ask for
         runs["64 tokens, resident down"] = (64, dataclasses.replace(
             general, down=dataclasses.replace(general.down, n_split=2, resident=True)))
-    return {name: (m, fit_shared(config, layer.shape, m, LDS_BYTES[arch])) for name, (m, config) in runs.items()}
+    return {name: (m, fit_shared(config, layer.shape, m, target)) for name, (m, config) in runs.items()}
 
 
 def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[str, int]]]:
@@ -138,7 +137,7 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
     for launch_name, code in compiled.items():
         for key, (gcn, shared) in code.items():
             kernel = key.split()[0]
-            assert shared <= LDS_BYTES[arch], f"{arch} {weights} {launch_name}: {kernel} needs {shared} bytes of LDS"
+            assert shared <= AMD_TARGETS[arch].shared_bytes, f"{arch} {weights} {launch_name}: {kernel}: {shared} B"
             if kernel in DOT_KERNELS:
                 for pattern in expected:
                     assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel}"

@@ -27,8 +27,8 @@ import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import KernelConfig, LaunchConfig  # noqa: E402
+from moe_overlay.backends.triton_moe.offline import AbsentGpu  # noqa: E402
 from moe_overlay.layout import to_layout  # noqa: E402
-from tests.absent_gpu import AbsentGpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif("nvidia" not in backends, reason="this triton has no NVIDIA backend")
 

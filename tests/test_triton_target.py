@@ -82,9 +82,13 @@ def test_target_mode_reads_the_targets_entries_only_fitted_to_its_lds():
     assert tuned and config.block_m == 64
     # the H200-sized entry, were it read on gfx942, has its stages lowered to fit 64 KiB
     h200 = configs.LaunchConfig.from_json(_entry(128, 6))
-    fitted = configs.fit_shared(h200, shape, 1024, 64 * 1024)
+    gfx942 = AMD_TARGETS["gfx942"]
+    fitted = configs.fit_shared(h200, shape, 1024, gfx942)
     assert fitted.gate_up.num_stages < 6 and all(
-        used <= 64 * 1024 for used in configs.shared_bytes(fitted, shape, 1024).values())
+        used <= 64 * 1024 for used in configs.shared_bytes(fitted, shape, 1024, gfx942).values())
+    # gfx942 holds one stage of a pipeline in registers: two stages, one LDS buffer
+    assert [gfx942.shared_stages(n) for n in (1, 2, 3)] == [1, 1, 2]
+    assert [AMD_TARGETS["gfx950"].shared_stages(n) for n in (1, 2, 3)] == [1, 2, 3]
 
 
 def test_the_tuner_offers_a_stand_in_only_what_its_target_runs():

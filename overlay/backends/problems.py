@@ -35,10 +35,17 @@ MODELS = (
     Model("Kimi-K3", MoESpec(896, 3584, 384, 16, Activation.situ())),
 )
 FP8_MODELS = ("DeepSeek-V3", "Kimi-K3")
+# The models whose checkpoints ship each format (their per-GPU layers); bf16 and the rest: all four.
+FORMAT_MODELS = {"fp8-block": FP8_MODELS, "mxfp4": ("Kimi-K3",), "fp8-channel-token": ("Maverick",)}
 
 
 def model(name: str) -> Model:
     return next(m for m in MODELS if m.name == name)
+
+
+def format_models(weights: str) -> tuple[str, ...]:
+    """The models whose checkpoints ship `weights` (all four for bf16 and formats none ships)."""
+    return FORMAT_MODELS.get(weights, tuple(m.name for m in MODELS))
 
 
 def with_weights(spec: MoESpec, weights: str) -> MoESpec:

@@ -43,6 +43,7 @@ from ..problems import (
     TOKEN_COUNTS,
     WEIGHT_FORMATS,
     floor_for,
+    format_models,
     model,
     random_calls,
     random_weights,
@@ -61,8 +62,6 @@ READ_TILE_COLS = 128
 MATMUL_SIZE = 8192
 # Published dense peaks: HBM bytes/s, bf16 and fp8 FLOP/s (no sparsity).
 PUBLISHED_PEAKS = {"NVIDIA H200": (4.8e12, 989e12, 1979e12)}
-# The models whose checkpoints ship each format (their per-GPU layers), when --model is not given.
-FORMAT_MODELS = {"fp8-block": ("DeepSeek-V3", "Kimi-K3"), "mxfp4": ("Kimi-K3",), "fp8-channel-token": ("Maverick",)}
 
 
 @triton.jit
@@ -398,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device}: read {bw.read / 1e12:.2f} TB/s, copy {bw.copy / 1e12:.2f} TB/s, bf16 {rates.bf16 / 1e12:.0f} "
           f"TFLOP/s" + (f", fp8 {rates.fp8 / 1e12:.0f} TFLOP/s" if rates.fp8 else "") + f"; {versions()}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    names = args.model or list(FORMAT_MODELS.get(args.weights, [m.name for m in MODELS]))
+    names = args.model or list(format_models(args.weights))
     rows = [row for name in names for row in bench_model(name, args.weights, tokens, rates, args.explain)]
     table = markdown(rows, args.weights, device, rates, target)
     print(table)

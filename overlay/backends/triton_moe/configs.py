@@ -98,11 +98,11 @@ def down_tile(block_m: int) -> int:
     return row_tiles(block_m)[1] or block_m
 
 
-def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int, weight_bytes: float = 2.0) -> int:
-    """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows at two
-    bytes a value (fp8 activations take less) and `b_tiles` weight tiles of BLOCK_K at
-    `weight_bytes` a value (LayerShape.weight_bytes)."""
-    return int((2 * rows + weight_bytes * b_tiles * cfg.block_n) * cfg.block_k)
+def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int, weight_bytes: float = 2.0, act_bytes: int = 2) -> int:
+    """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows at
+    `act_bytes` a value (1: fp8 quantised before the kernel) and `b_tiles` weight tiles of
+    BLOCK_K at `weight_bytes` a value (LayerShape.weight_bytes)."""
+    return int((act_bytes * rows + weight_bytes * b_tiles * cfg.block_n) * cfg.block_k)
 
 
 def resident_bytes(rows: int, cfg: KernelConfig, shape: LayerShape) -> int:
@@ -122,32 +122,35 @@ def device_shared_bytes(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or 64 * 1024
 
 
-def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int) -> dict[str, int]:
-    """Shared memory each GEMM of a launch keeps its pipelined tiles in, by "gate_up" and
-    "down" (stage_bytes, resident_bytes); the gemv gate/up and tiny mode's down keep none."""
+def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int, target: Target) -> dict[str, int]:
+    """Shared memory each GEMM of a launch keeps its pipelined tiles in on `target`, by
+    "gate_up" and "down" (stage_bytes for the stages the target keeps there, resident_bytes);
+    the gemv gate/up and tiny mode's down keep none."""
     used = {}
+    sorted_fp8 = shape.fp8 and not is_tiny(num_tokens, shape.top_k)  # activations quantised first: 1 byte
     if not config.gate_up.gemv:
-        used["gate_up"] = config.gate_up.num_stages * stage_bytes(config.block_m, config.gate_up, 2,
-                                                                  shape.weight_bytes)
+        used["gate_up"] = target.shared_stages(config.gate_up.num_stages) * stage_bytes(
+            config.block_m, config.gate_up, 2, shape.weight_bytes, 1 if sorted_fp8 else 2)
     if not is_tiny(num_tokens, shape.top_k):
         rows = down_tile(config.block_m)
         used["down"] = (resident_bytes(rows, config.down, shape) if shape.down_kind(config.down) == "resident"
-                        else config.down.num_stages * stage_bytes(rows, config.down, 1, shape.weight_bytes))
+                        else target.shared_stages(config.down.num_stages) * stage_bytes(
+                            rows, config.down, 1, shape.weight_bytes, 1 if sorted_fp8 else 2))
     return used
 
 
-def fit_shared(config: LaunchConfig, shape: LayerShape, num_tokens: int, smem_bytes: int) -> LaunchConfig:
-    """`config` with each GEMM's num_stages lowered (to 1 at least) until its tiles fit
-    `smem_bytes` (0: as it is). The tuner offers only what fits; this is for the defaults and
-    for entries from other devices: gfx942 has 64 KiB, against 227 KiB on an H200, and a
-    kernel over its device's limit does not launch."""
-    if not smem_bytes:
+def fit_shared(config: LaunchConfig, shape: LayerShape, num_tokens: int, target: Target) -> LaunchConfig:
+    """`config` with each GEMM's num_stages lowered (to 1 at least) until its tiles fit the
+    target's shared memory (none set: as it is). The tuner offers only what fits; this is for
+    the defaults and for entries from other devices: gfx942 has 64 KiB, against 227 KiB on an
+    H200, and a kernel over its device's limit does not launch."""
+    if not target.tile_bytes:
         return config
-    for gemm, used in shared_bytes(config, shape, num_tokens).items():
-        while used > smem_bytes and getattr(config, gemm).num_stages > 1:
+    for gemm, used in shared_bytes(config, shape, num_tokens, target).items():
+        while used > target.tile_bytes and getattr(config, gemm).num_stages > 1:
             cfg = getattr(config, gemm)
             config = replace(config, **{gemm: replace(cfg, num_stages=cfg.num_stages - 1)})
-            used = shared_bytes(config, shape, num_tokens)[gemm]
+            used = shared_bytes(config, shape, num_tokens, target)[gemm]
     return config
 
 
@@ -241,7 +244,8 @@ def default_config(shape: LayerShape, num_tokens: int) -> LaunchConfig:
     block_m = next((b for b in (16, 32, 64) if per_expert <= 2 * b), 128)
     if block_m <= 32:  # weight streaming: narrow tiles, many programs, deep pipelines
         return LaunchConfig(block_m, KernelConfig(64, 128, 4, 4), KernelConfig(64, 128, 4, 4))
-    block_k = 64 if shape.interleaved else 128
+    # fp8: a 128-wide scale group a step; bf16 and mxfp4 64 (mxfp4's 128 spilled on gfx942: make amd-report)
+    block_k = 128 if shape.fp8 else 64
     return LaunchConfig(block_m, KernelConfig(128, block_k, 8, 3, 8), KernelConfig(128, block_k, 8, 3, 8))
 
 
@@ -313,7 +317,7 @@ def lookup(table: Table, devices: tuple[str, ...], shape: LayerShape, num_tokens
 
 
 @lru_cache(maxsize=4096)
-def _launch_config(user_env: str, devices: tuple[str, ...], smem_bytes: int, shape: LayerShape,
+def _launch_config(user_env: str, devices: tuple[str, ...], target: Target, shape: LayerShape,
                    num_tokens: int) -> LaunchConfig:
     config, _ = lookup(_table(user_env), devices, shape, num_tokens)
     tiny = is_tiny(num_tokens, shape.top_k)
@@ -340,7 +344,7 @@ def _launch_config(user_env: str, devices: tuple[str, ...], smem_bytes: int, sha
         config = replace(config, gate_up=replace(config.gate_up, gluon=False))
     if config.down.resident and not shape.resident_fp8:
         config = replace(config, down=replace(config.down, resident=False))  # bf16/fp16's is implied by n_split
-    return fit_shared(config, shape, num_tokens, smem_bytes)
+    return fit_shared(config, shape, num_tokens, target)
 
 
 def launch_config(shape: LayerShape, device: torch.device, num_tokens: int, target: Target) -> LaunchConfig:
@@ -348,7 +352,7 @@ def launch_config(shape: LayerShape, device: torch.device, num_tokens: int, targ
     obeys, fitted to the shared memory a program has, remembered (it is asked on every call of
     the layer)."""
     return _launch_config(os.environ.get(USER_FILES_ENV, ""), table_devices(device, target),
-                          shared_limit(device, target), shape, num_tokens)
+                          replace(target, shared_bytes=shared_limit(device, target)), shape, num_tokens)
 
 
 def table_devices(device: torch.device, target: Target) -> tuple[str, ...]:

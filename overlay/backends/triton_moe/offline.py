@@ -1,5 +1,5 @@
 """Triton's driver for a GPU that is not here, so that the real launcher compiles kernels for
-it on a machine without one (tests/test_triton_amd_compile.py, test_triton_nvidia_compile.py)."""
+it on a machine without one (amd_report.py, and the compile tests)."""
 
 from __future__ import annotations
 

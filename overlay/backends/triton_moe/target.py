@@ -38,6 +38,20 @@ class Target:
     mx_words: bool = False  # mxfp4 with bf16 activations as recoded int32 words (layout.mx_words), decoded by
     # integer operations into a bf16 dot; else packed bytes through tl.dot_scaled
     stands_in: str = ""  # the GPU that runs this target's kernels in target mode (its name), else ""
+    stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
+    scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
+
+    @property
+    def tile_bytes(self) -> int:
+        """Shared memory a program's pipelined tiles may take (0: no limit)."""
+        return max(self.shared_bytes - self.scratch_bytes, 0) if self.shared_bytes else 0
+
+    def shared_stages(self, num_stages: int) -> int:
+        """Stages of a `num_stages` pipeline that take shared memory: on gfx942 Triton's stream
+        pipeliner prefetches one into registers (2 stages: one LDS buffer), gfx950 and NVIDIA
+        copy every stage straight into shared memory (seen in the compiled kernels' LDS:
+        `make amd-report`)."""
+        return max(1, num_stages - self.stages_in_registers)
 
     @property
     def table_keys(self) -> tuple[str, ...]:
@@ -53,10 +67,12 @@ class Target:
                 f"mxfp4 as {kind}, {nvidia}")
 
 
-# AMD Instinct targets: 64 KiB of LDS a workgroup on gfx942, 160 KiB on gfx950.
+# AMD Instinct targets: 64 KiB of LDS a workgroup on gfx942, 160 KiB on gfx950; kernels took up
+# to 2 KiB beyond their tiles there (make amd-report, Triton 3.9), so 4 KiB are kept aside.
+AMD_SCRATCH = 4096
 AMD_TARGETS = {
-    "gfx942": Target("gfx942", "amd", 64 * 1024, 64),
-    "gfx950": Target("gfx950", "amd", 160 * 1024, 64),
+    "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH),
+    "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH),
 }
 INTERPRETER = Target("interpreter", "cpu", 0, 32)
 

@@ -123,9 +123,12 @@ def _registers(values: int, cfg: KernelConfig, target: Target) -> int:
     return values // (target.warp_size * cfg.num_warps)
 
 
-def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, target: Target, weight_bytes: float) -> bool:
-    """Shared memory of the pipelined operand tiles, and accumulator registers per thread."""
-    return (cfg.num_stages * stage_bytes(block_m, cfg, b_tiles, weight_bytes) <= target.shared_bytes
+def _fits(block_m: int, cfg: KernelConfig, b_tiles: int, target: Target, shape: LayerShape, sorted_mode: bool) -> bool:
+    """Shared memory of the pipelined operand tiles (fp8 activations quantised first in
+    sorted mode: a byte a value), and accumulator registers per thread."""
+    act_bytes = 1 if shape.fp8 and sorted_mode else 2
+    return (target.shared_stages(cfg.num_stages) * stage_bytes(block_m, cfg, b_tiles, shape.weight_bytes, act_bytes)
+            <= target.tile_bytes
             and _registers(b_tiles * block_m * cfg.block_n, cfg, target) <= REG_BUDGET)
 
 
@@ -154,7 +157,7 @@ def gemm_candidates(block_m: int, shape: LayerShape, b_tiles: int, target: Targe
             grid += _weight_left(grid, target)  # wgmma's 64 rows (48: 32 and 16; 96: 64 and 32)
     if block_m >= 128:  # wide tiles at 16 warps: a block's rows are re-read through the L2 once per N tile
         grid += [KernelConfig(n, k, 16, s, 8) for n in (128, 256) for k in block_ks for s in _stages(target, 3, 4, 6)]
-    return [c for c in grid if _fits(block_m, c, b_tiles, target, shape.weight_bytes)]
+    return [c for c in grid if _fits(block_m, c, b_tiles, target, shape, sorted_mode=True)]
 
 
 def _weight_left(cfgs: list[KernelConfig], target: Target) -> list[KernelConfig]:
@@ -246,7 +249,7 @@ def gate_up_tiny_candidates(shape: LayerShape, target: Target) -> list[KernelCon
     gemv = [KernelConfig(n, k, w, 1, split_k=s, gemv=True) for n in gemv_ns for k in gemv_ks
             for w in (2, 4, 8) for s in (1, 2, 4, 8, MAX_SPLIT_K)
             if 8 <= 2 * n * k // (target.warp_size * w) <= most]
-    return [c for c in grid if _fits(TINY_ROUTES, c, 2, target, shape.weight_bytes)] + gemv
+    return [c for c in grid if _fits(TINY_ROUTES, c, 2, target, shape, sorted_mode=False)] + gemv
 
 
 def resident_down_candidates(block_m: int, shape: LayerShape, target: Target) -> list[KernelConfig]:
@@ -266,7 +269,7 @@ def resident_down_candidates(block_m: int, shape: LayerShape, target: Target) ->
         grid = [KernelConfig(n, FP8_STEP, 4, s, n_split=split, descriptors=target.hopper, resident=True)
                 for n in (32, 64, 128) for s in _stages(target, 3, 4, 5) for split in (1, 2)]
         grid += _weight_left(grid, target) if block_m < 64 else []
-    return [c for c in grid if resident_bytes(block_m, c, shape) <= target.shared_bytes
+    return [c for c in grid if resident_bytes(block_m, c, shape) <= target.tile_bytes
             and _registers(block_m * c.block_n, c, target) <= REG_BUDGET]
 
 

@@ -1,0 +1,196 @@
+"""`make amd-report`: what each AMD target (gfx942: MI300X, MI325X; gfx950: MI355X) would run,
+compiled for it with Triton's AMD backend on any machine (no GPU: offline.AbsentGpu stands in
+for the driver), and each kernel's resources read from its AMDGCN: VGPRs and AGPRs, spills,
+LDS bytes, waves a SIMD, and matrix instructions in its main loop (one K step).
+
+For every layer the benchmark times in a format (problems.format_models) and every token
+count, the launch is the one launch_config gives on that target: the shipped table's entry,
+or the untuned default fitted to the target's LDS. It exits 1 where a kernel spills or needs
+more LDS than its target has. Nothing here runs on AMD hardware: this shows what the compiler
+makes of the kernels, not how fast they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+from triton.backends import backends
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+from ...backend import Platform, get_backend
+from ...layout import to_layout
+from ..problems import TOKEN_COUNTS, empty_weights, format_models, model, random_input, random_routing, with_weights
+from . import kernels, launch
+from .configs import LaunchConfig, LayerShape, current_table, launch_config, lookup, table_devices
+from .offline import AbsentGpu
+from .plan import gluon_kernels
+from .target import AMD_TARGETS, Target, current_target
+
+FORMATS = ("bf16", "fp8-block", "mxfp4")
+REGISTERS_A_SIMD_LANE = 512  # gfx942 and gfx950: VGPRs and AGPRs together, per lane of a SIMD
+REGISTER_GRANULE = 8
+MAX_WAVES_A_SIMD = 8
+SIMDS_A_CU = 4
+LDS_A_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+COMPILE_EXPERTS = 4  # experts a top-k route compiles with (the kernels take E unspecialised)
+FIRST_DEVICE = 3000  # Triton keeps compiled kernels per device index: each launch gets its own from here
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One compiled kernel's resources on its target."""
+
+    kernel: str
+    num_warps: int
+    vgprs: int
+    agprs: int
+    vgpr_spills: int
+    sgpr_spills: int
+    lds: int  # bytes a workgroup
+    mfma_a_step: int  # matrix instructions in the loop that has the most
+
+    @classmethod
+    def of(cls, name: str, gcn: str, lds: int, num_warps: int) -> Resources:
+        def field(key: str) -> int:
+            found = re.search(rf"\.{key}:\s+(\d+)", gcn)
+            return int(found.group(1)) if found else 0
+
+        return cls(name, num_warps, field("vgpr_count"), field("agpr_count"), field("vgpr_spill_count"),
+                   field("sgpr_spill_count"), lds, mfma_in_main_loop(gcn))
+
+    def waves_a_simd(self, arch: str) -> int:
+        """Waves of this kernel a SIMD holds at once: by registers (VGPRs and AGPRs share the
+        lane's 512) and by LDS (the workgroups a CU holds, their waves over its 4 SIMDs)."""
+        used = -(-(self.vgprs + self.agprs) // REGISTER_GRANULE) * REGISTER_GRANULE
+        by_registers = min(MAX_WAVES_A_SIMD, REGISTERS_A_SIMD_LANE // max(used, 1))
+        if not self.lds:
+            return by_registers
+        return min(by_registers, LDS_A_CU[arch] // self.lds * self.num_warps // SIMDS_A_CU)
+
+    def problems(self, target: Target) -> list[str]:
+        out = [f"{n} {kind} spilled" for n, kind in ((self.vgpr_spills, "VGPRs"), (self.sgpr_spills, "SGPRs")) if n]
+        if self.lds > target.shared_bytes:
+            out.append(f"{self.lds} bytes of LDS, over {target.arch}'s {target.shared_bytes}")
+        return out
+
+
+def mfma_in_main_loop(gcn: str) -> int:
+    """Matrix instructions (v_mfma) of the loop of the kernel that has the most, its blocks as
+    LLVM marks them: a loop's header (".LBB0_8: ; =>This Inner Loop Header") and its other
+    blocks ("; in Loop: Header=BB0_8"), wherever they are laid out."""
+    counts: dict[str, int] = {}
+    label, loop = "", None
+    for line in gcn.splitlines():
+        block = re.match(r"(?:\.L(BB\w+):|; %bb\.\d+:)", line)
+        if block:
+            label, loop = block.group(1) or "", None
+        if block or re.match(r"\s+;", line):  # a block's annotation: on its label's line or the next
+            header = re.search(r"Header=(BB\w+)", line)
+            if "Loop Header" in line:
+                loop = label
+            elif header:
+                loop = header.group(1)
+        elif loop and "v_mfma" in line:
+            counts[loop] = counts.get(loop, 0) + 1
+    return max(counts.values(), default=0)
+
+
+@dataclass(frozen=True)
+class Launch:
+    target: Target
+    model: str
+    weights: str
+    tokens: int
+    config: LaunchConfig
+    tuned: bool
+    kernels: tuple[Resources, ...]
+
+
+def _compiled(device: int) -> list[Resources]:
+    """Every kernel compiled for `device` (Triton's driver stands in for it)."""
+    return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps)
+            for module in (kernels, gluon_kernels) if module is not None for name, fn in vars(module).items()
+            if device in getattr(fn, "device_caches", {}) for k in fn.device_caches[device][0].values()]
+
+
+def compile_launches(arch: str, weights: str, tokens: list[int], devices: Iterator[int]) -> Iterator[Launch]:
+    """The launches `arch` runs for the layers shipped in `weights`, each compiled for it
+    (under a device index of its own from `devices`, so that its kernels are its alone)."""
+    for name in format_models(weights):
+        spec = with_weights(model(name).spec, weights)
+        shape = LayerShape.of(spec)
+        small = replace(spec, num_experts=min(spec.num_experts, COMPILE_EXPERTS * spec.top_k))
+        layout = get_backend("triton").layout_for(small, Platform("cuda", "amd", arch))
+        tensors = to_layout(empty_weights(small, "cpu"), small, layout)
+        x1 = random_input(1, small, "cpu", seed=1)
+        layer = launch.Layer.of(x1, tensors["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+                                spec.apply_router_weight_on_input, spec.quant.granularity,
+                                spec.quant.activations == "fp8_token")
+        layer = replace(layer, shape=shape)  # the full layer's shape: its launch table entry, its plan
+        for m in tokens:
+            device = next(devices)
+            driver.set_active(AbsentGpu(GPUTarget("hip", arch, 64), device))
+            try:
+                target = current_target()
+                config = launch_config(shape, torch.device("cpu"), m, target)
+                tuned = lookup(current_table(), table_devices(torch.device("cpu"), target), shape, m)[1]
+                w, ids = random_routing(m, small, "cpu", seed=2)
+                with launch.compile_only():
+                    launch.fused_experts(layer, random_input(m, small, "cpu", seed=3), tensors["w13"], tensors["w2"],
+                                         tensors.get("w13_scale"), tensors.get("w2_scale"), w, ids, None, config)
+                yield Launch(target, name, weights, m, config, tuned, tuple(_compiled(device)))
+            finally:
+                driver.set_active(None)
+
+
+def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
+    """(the report as markdown, every problem found)."""
+    lines = ["| target | layer | M | entry | kernel | warps | VGPRs | AGPRs | spills | LDS (bytes) "
+             "| waves / SIMD | MFMA a K step |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    problems = []
+    devices = itertools.count(FIRST_DEVICE)
+    for arch in targets:
+        for weights in formats:
+            for found in compile_launches(arch, weights, tokens, devices):
+                print(f"compiled {arch} {found.model} {weights} M={found.tokens}: {len(found.kernels)} kernels",
+                      file=sys.stderr, flush=True)
+                for r in found.kernels:
+                    if r.kernel.startswith(("gate_up", "down")):  # the GEMMs (the sort and sums: problems only)
+                        lines.append(
+                            f"| {arch} | {found.model} {weights} | {found.tokens} | "
+                            f"{'tuned' if found.tuned else 'default'} | {r.kernel} | {r.num_warps} | {r.vgprs} "
+                            f"| {r.agprs} | {r.vgpr_spills + r.sgpr_spills} | {r.lds} | {r.waves_a_simd(arch)} "
+                            f"| {r.mfma_a_step} |")
+                problems += [f"{arch} {found.model} {weights} M={found.tokens} {r.kernel}: {p}"
+                             for r in found.kernels for p in r.problems(found.target)]
+    return "\n".join(lines) + "\n", problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", action="append", choices=list(AMD_TARGETS), help="default: both")
+    parser.add_argument("--weights", action="append", choices=FORMATS, help="default: bf16, fp8-block and mxfp4")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
+    args = parser.parse_args(argv)
+    if "amd" not in backends:
+        print(f"this Triton ({triton.__version__}) has no AMD backend")
+        return 1
+    table, problems = report(args.target or list(AMD_TARGETS), args.weights or list(FORMATS),
+                             [int(t) for t in args.tokens.split(",")])
+    print(f"Compiled with Triton {triton.__version__}'s AMD backend; nothing ran on AMD hardware.\n")
+    print(table)
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

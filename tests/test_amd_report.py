@@ -1,0 +1,57 @@
+"""`make amd-report`: every launch the AMD targets run for the shipped layers (the shipped
+gfx942/gfx950 entries, or the defaults fitted to the target's LDS), compiled for gfx942 and
+gfx950 with Triton's AMD backend on this machine: none spills, none needs more LDS than its
+target has, and the report reads each kernel's resources from its AMDGCN."""
+
+import pytest
+
+pytest.importorskip("triton")
+from triton.backends import backends
+
+from moe_overlay.backends.problems import TOKEN_COUNTS, format_models
+from moe_overlay.backends.triton_moe.amd_report import FORMATS, Resources, mfma_in_main_loop, report
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS
+
+pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
+
+
+def test_no_launch_an_amd_target_runs_spills_or_overflows_its_lds():
+    table, problems = report(list(AMD_TARGETS), list(FORMATS), list(TOKEN_COUNTS))
+    assert problems == []
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    for arch in AMD_TARGETS:
+        for weights in FORMATS:
+            for name in format_models(weights):
+                for m in TOKEN_COUNTS:
+                    kernels = {r[4] for r in rows if r[0] == f"| {arch}" and r[1] == f"{name} {weights}"
+                               and r[2] == str(m)}
+                    assert any(k.startswith("gate_up") for k in kernels), (arch, name, weights, m)
+                    assert any(k.startswith("down") for k in kernels), (arch, name, weights, m)
+    sorted_dots = [r for r in rows if r[4] in ("gate_up_kernel", "down_kernel") and r[2] != "1"]
+    assert sorted_dots and all(int(r[11].rstrip(" |")) > 0 for r in sorted_dots)  # matrix instructions a K step
+
+
+GCN = """\
+.LBB0_3:                                ;   in Loop: Header=BB0_4 Depth=1
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+.LBB0_4:                                ; =>This Inner Loop Header: Depth=1
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+\ts_cbranch_scc1 .LBB0_3
+; %bb.5:
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+    .agpr_count:     4
+    .vgpr_count:     250
+    .vgpr_spill_count: 3
+"""
+
+
+def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
+    assert mfma_in_main_loop(GCN) == 2  # the loop's blocks wherever laid out; the epilogue's not counted
+    r = Resources.of("gate_up_kernel", GCN, 48 * 1024, 4)
+    assert (r.vgprs, r.agprs, r.vgpr_spills, r.mfma_a_step) == (250, 4, 3, 2)
+    assert r.waves_a_simd("gfx942") == 1  # 48 KiB: one workgroup of 4 waves a CU
+    assert r.waves_a_simd("gfx950") == 2  # 160 KiB: three workgroups, but 256 registers a lane: two waves
+    assert r.problems(AMD_TARGETS["gfx942"]) == ["3 VGPRs spilled"]
+    big = Resources.of("down_kernel", GCN.replace("3\n", "0\n"), 70 * 1024, 8)
+    assert big.problems(AMD_TARGETS["gfx942"]) == ["71680 bytes of LDS, over gfx942's 65536"]
+    assert big.problems(AMD_TARGETS["gfx950"]) == []
