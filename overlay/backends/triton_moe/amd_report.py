@@ -1,7 +1,8 @@
 """`make amd-report`: what each AMD target (gfx942: MI300X, MI325X; gfx950: MI355X) would run,
 compiled for it with Triton's AMD backend on any machine (no GPU: offline.AbsentGpu stands in
 for the driver), and each kernel's resources read from its AMDGCN: VGPRs and AGPRs, spills,
-LDS bytes, waves a SIMD, and matrix instructions in its main loop (one K step).
+LDS bytes, waves a SIMD, and the matrix and other vector instructions of its main loop (one
+K step).
 
 For every layer the benchmark times in a format (problems.format_models) and every token
 count, the launch is the one launch_config gives on that target: the shipped table's entry,
@@ -55,7 +56,8 @@ class Resources:
     vgpr_spills: int
     sgpr_spills: int
     lds: int  # bytes a workgroup
-    mfma_a_step: int  # matrix instructions in the loop that has the most
+    mfma_a_step: int  # matrix instructions in the main loop (main_loop)
+    valu_a_step: int  # other vector instructions there (mxfp4: the decode's among them)
 
     @classmethod
     def of(cls, name: str, gcn: str, lds: int, num_warps: int) -> Resources:
@@ -64,7 +66,7 @@ class Resources:
             return int(found.group(1)) if found else 0
 
         return cls(name, num_warps, field("vgpr_count"), field("agpr_count"), field("vgpr_spill_count"),
-                   field("sgpr_spill_count"), lds, mfma_in_main_loop(gcn))
+                   field("sgpr_spill_count"), lds, *main_loop(gcn))
 
     def waves_a_simd(self, arch: str) -> int:
         """Waves of this kernel a SIMD holds at once: by registers (VGPRs and AGPRs share the
@@ -82,25 +84,27 @@ class Resources:
         return out
 
 
-def mfma_in_main_loop(gcn: str) -> int:
-    """Matrix instructions (v_mfma) of the loop of the kernel that has the most, its blocks as
-    LLVM marks them: a loop's header (".LBB0_8: ; =>This Inner Loop Header") and its other
-    blocks ("; in Loop: Header=BB0_8"), wherever they are laid out."""
-    counts: dict[str, int] = {}
+def main_loop(gcn: str) -> tuple[int, int]:
+    """(matrix instructions, other vector ALU instructions) of the loop of the kernel that has
+    the most matrix instructions, its blocks as LLVM marks them: a loop's header (".LBB0_8: ;
+    =>This Inner Loop Header") and its other blocks ("; in Loop: Header=BB0_8"), wherever they
+    are laid out, the mark on the label's line or the next."""
+    counts: dict[str, list[int]] = {}
     label, loop = "", None
     for line in gcn.splitlines():
         block = re.match(r"(?:\.L(BB\w+):|; %bb\.\d+:)", line)
         if block:
             label, loop = block.group(1) or "", None
-        if block or re.match(r"\s+;", line):  # a block's annotation: on its label's line or the next
+        if block or re.match(r"\s+;", line):
             header = re.search(r"Header=(BB\w+)", line)
             if "Loop Header" in line:
                 loop = label
             elif header:
                 loop = header.group(1)
-        elif loop and "v_mfma" in line:
-            counts[loop] = counts.get(loop, 0) + 1
-    return max(counts.values(), default=0)
+        elif loop and (op := re.match(r"\s+(v_\w+)", line)):
+            counts.setdefault(loop, [0, 0])[0 if op.group(1).startswith("v_mfma") else 1] += 1
+    mfma, valu = max(counts.values(), default=[0, 0])
+    return mfma, valu
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,8 @@ def compile_launches(arch: str, weights: str, tokens: list[int], devices: Iterat
 def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
     """(the report as markdown, every problem found)."""
     lines = ["| target | layer | M | entry | kernel | warps | VGPRs | AGPRs | spills | LDS (bytes) "
-             "| waves / SIMD | MFMA a K step |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| waves / SIMD | MFMA a K step | other VALU a K step |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     problems = []
     devices = itertools.count(FIRST_DEVICE)
     for arch in targets:
@@ -168,7 +173,7 @@ def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[s
                             f"| {arch} | {found.model} {weights} | {found.tokens} | "
                             f"{'tuned' if found.tuned else 'default'} | {r.kernel} | {r.num_warps} | {r.vgprs} "
                             f"| {r.agprs} | {r.vgpr_spills + r.sgpr_spills} | {r.lds} | {r.waves_a_simd(arch)} "
-                            f"| {r.mfma_a_step} |")
+                            f"| {r.mfma_a_step} | {r.valu_a_step} |")
                 problems += [f"{arch} {found.model} {weights} M={found.tokens} {r.kernel}: {p}"
                              for r in found.kernels for p in r.problems(found.target)]
     return "\n".join(lines) + "\n", problems
