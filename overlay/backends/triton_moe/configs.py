@@ -56,8 +56,8 @@ class KernelConfig:
     descriptors: bool = False  # weight tiles through tensor descriptors (TMA on Hopper); bf16/fp16 gate/up, any down
     pdl: bool = False  # tiny down only: started while its gate/up runs (programmatic dependent launch, NVIDIA sm_90+)
     weight_left: bool = False  # fp8 dots of under 64 rows: the weight tile the left operand (wgmma's M, NVIDIA sm_90+)
-    gluon: bool = False  # gluon_kernels' (NVIDIA sm_90+): block-fp8 or mx_words gate/up (launch.uses_gluon),
-    # mx_words streamed down (launch.uses_gluon_down), mx_words tiny down (launch.uses_gluon_tiny_down)
+    gluon: bool = False  # gluon_kernels' (NVIDIA sm_90+): block-fp8 or mx_words gate/up (plan._gate_up_step),
+    # mx_words streamed down (plan._down_step), mx_words tiny down (plan._down_step)
     resident: bool = False  # block-fp8 down with n_split, I <= RESIDENT_MAX_I: down_resident_kernel, not streamed
 
 

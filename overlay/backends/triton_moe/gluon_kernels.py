@@ -1,6 +1,6 @@
 """Gate/up kernels for NVIDIA Hopper (sm_90) in Gluon, Triton's lower-level dialect, where
 layouts and waits are written out. Only sorted mode (kernels.align_*) and one warpgroup (4
-warps); launch.uses_gluon decides, and everything else, ROCm included, runs
+warps); the plan (plan.py) decides, and everything else, ROCm included, runs
 kernels.gate_up_kernel, which computes the same sums in the same order: the outputs are equal,
 bit for bit, on an H200.
 

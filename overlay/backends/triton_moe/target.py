@@ -1,6 +1,6 @@
 """What the GPU the kernels compile for can do, decided here and nowhere else: the layout of
 mxfp4 weights, which launch-table entries apply, how much shared memory (LDS) a program may
-take, and whether the NVIDIA-only kernels and launch features exist (nvidia.py).
+take, and whether the NVIDIA-only kernels (gluon_kernels.py) and launch features exist.
 
 Targets are named by architecture: gfx942 (MI300X, MI325X), gfx950 (MI355X), sm_XY (NVIDIA).
 Target mode: MOE_OVERLAY_TRITON_TARGET=gfx942 (or gfx950) on an NVIDIA GPU makes that GPU

@@ -171,7 +171,7 @@ def _weight_left(cfgs: list[KernelConfig], target: Target) -> list[KernelConfig]
 
 def gluon_candidates() -> list[KernelConfig]:
     """Block-fp8 gate/ups of gluon_kernels (blocks of 64 rows, 4 warps, N tiles of 64: a
-    128-column dot of gate and up; NVIDIA sm_90+, launch.uses_gluon): 3 or 4 stages. On an
+    128-column dot of gate and up; NVIDIA sm_90+, plan._gate_up_step): 3 or 4 stages. On an
     H200 its M=8192 gate/up took 1348 against 1644 us (Kimi-K3) and 739 against 883
     (DeepSeek-V3) for the shipped `tl` entries. N tiles of 32 (three programs a
     multiprocessor's registers rather than two) were 18-25% slower there, so not offered."""
@@ -180,7 +180,7 @@ def gluon_candidates() -> list[KernelConfig]:
 
 def gluon_mx_candidates() -> list[KernelConfig]:
     """mx_words gate/ups of gluon_kernels (4 warps, N tiles of one or two 64-row wgmmas, K
-    steps of 64; NVIDIA sm_90+ with mx_words, launch.uses_gluon; elsewhere the `tl` kernel runs
+    steps of 64; NVIDIA sm_90+ with mx_words, plan._gate_up_step; elsewhere the `tl` kernel runs
     them): 3 or 4 stages. On an H200, as Kimi-K3 layers with the shipped downs: 1-6% faster than
     the shipped `tl` gate/ups at M = 16 to 8192 (docs/performance.md, 2026-12-04); K steps of
     128 were slower at M = 16 to 1024, so not offered."""
@@ -190,7 +190,7 @@ def gluon_mx_candidates() -> list[KernelConfig]:
 def gluon_mx_tiny_candidates(shape: LayerShape) -> list[KernelConfig]:
     """Tiny-mode mx_words gate/ups of gluon_kernels (4 warps, N tiles of one or two 64-row
     wgmmas, K steps of one or two 64-K word chunks, 3 or 4 stages), K split 1 to 14 ways where
-    the split shares the layer's K steps evenly (launch.uses_gluon: otherwise the `tl` kernel
+    the split shares the layer's K steps evenly (plan._gate_up_step: otherwise the `tl` kernel
     would run the entry). On an H200, Kimi-K3 M=1 with the shipped down: 25.1 us with N tiles
     of 64, K steps of 64 and a split of 4, against 25.8 for the `tl` gate/up; unsplit 33-34 us
     (96 programs), split 8 or 14 27-31 (docs/performance.md, 2026-12-04)."""
@@ -202,7 +202,7 @@ def gluon_mx_tiny_candidates(shape: LayerShape) -> list[KernelConfig]:
 def gluon_mx_down_candidates() -> list[KernelConfig]:
     """Streamed mx_words downs of gluon_kernels (4 warps, N tiles of two halves of one or two
     64-row wgmmas, K steps of 64, 3 or 4 stages, 1 to 16 programs per block; NVIDIA sm_90+
-    with mx_words, launch.uses_gluon_down; elsewhere kernels.down_kernel runs them)."""
+    with mx_words, plan._down_step; elsewhere kernels.down_kernel runs them)."""
     return [KernelConfig(n, 64, 4, stages, n_split=split, gluon=True) for n in (128, 256) for stages in (3, 4)
             for split in (1, 2, 4, 8, 16)]
 
@@ -211,7 +211,7 @@ def gluon_mx_tiny_down_candidates(shape: LayerShape) -> list[KernelConfig]:
     """Tiny-mode mx_words downs of gluon_kernels (4 warps, N tiles of two 64- or 128-row
     halves, K steps of one or two word chunks, 2 to 4 stages, a token's routes shared by
     programs of at most launch.TINY_DOWN_COLUMNS routes; NVIDIA sm_90+ with mx_words,
-    launch.uses_gluon_tiny_down). On an H200, Kimi-K3 M=1 with the Gluon tiny gate/up: 24.2 us
+    plan._down_step). On an H200, Kimi-K3 M=1 with the Gluon tiny gate/up: 24.2 us
     with N tiles of 128, K steps of 128, 2 stages and a route a program, against 25.0 for the
     `tl` down; 4 routes a program 37-49 (docs/performance.md, 2026-12-04)."""
     def shares(split: int) -> bool:  # `split` programs a token, each within the wgmma's columns
