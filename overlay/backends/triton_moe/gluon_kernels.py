@@ -42,10 +42,8 @@ from .kernels import (
     MX_WORD_ROWS,
     SCALE_BLOCK,
     _activate,
-    _await_previous,
     _grid_position,
     _last_to_arrive,
-    _let_next_start,
     _local_expert,
     _mx_pairs,
     _mx_scale_bits,
@@ -54,6 +52,7 @@ from .kernels import (
     _tiny_store,
     settle_cache_keys,
 )
+from .nvidia import await_previous, let_next_start
 
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -478,8 +477,8 @@ def gate_up_mx_words_tiny_kernel(
     the program_id(1)-th of SPLIT_K equal parts, run as gate_up_mx_words_kernel runs a block
     (_mx_gate_up_sums); the sums reach the fp32 activation `act [routes, I]` through
     kernels._tiny_store (the last split to arrive adds the partials up). PDL: the down may
-    launch once every program here has started (kernels._let_next_start)."""
-    _let_next_start(PDL)
+    launch once every program here has started (nvidia.let_next_start)."""
+    let_next_start(PDL)
     num_n = inter // BLOCK_N
     slot = gl.program_id(0) // num_n
     pid_n = gl.program_id(0) % num_n
@@ -657,7 +656,7 @@ def down_mx_words_tiny_kernel(
         src, _unused = _tiny_step_words(w_words, s_ptrs, ids_ptr, map_ptr, first_route, routes_left, s, stride_we,
                                         stride_se, HAS_MAP, K_STEPS, STEP_WORDS, C)
         _mx_copy_words(src, half_offs, lo_smem, hi_smem, s, s < STEPS)
-    _await_previous(PDL)
+    await_previous(PDL)
     rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, act_layout))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, act_layout))
     live = (rows < ROUTES) & (rows < routes_left)

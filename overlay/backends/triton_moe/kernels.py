@@ -1,7 +1,8 @@
 """The Triton kernels of the fused-experts backend. Plain `tl`, no inline PTX, so ROCm's Triton
-compiles the same source; vendors differ in the launch configuration (configs.py) and in one
-NVIDIA feature, tiny mode's programmatic dependent launch (PDL: Triton's CUDA grid dependency
-control, in constexpr branches that ROCm and pre-Hopper GPUs never compile).
+compiles the same source; targets differ in the launch configuration (configs.py) and in the
+plan (plan.py), which turns on NVIDIA's features (nvidia.py: weight-left fp8 dots, tensor
+descriptors, programmatic dependent launch) only on Hopper, in constexpr branches that ROCm and
+older GPUs never compile.
 
 Weights stay in the canonical `[E, N, K]` (K contiguous), which both wgmma (Hopper, and
 required for fp8) and MFMA read as is; gate and up are two B tiles of one program, so the
@@ -29,10 +30,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import layout
 from .configs import FP8_STEP
+from .nvidia import await_previous, fp8_dot, let_next_start, weight_desc
 
 SILU: tl.constexpr = tl.constexpr(0)
 SITU: tl.constexpr = tl.constexpr(1)
@@ -262,19 +263,6 @@ def _row_limit(num_rows, limit_ptr, LIMITED: tl.constexpr):
 
 
 @triton.jit
-def _fp8_dot(a, b, W_LEFT: tl.constexpr):
-    """a @ b of fp8 tiles, or (W_LEFT) computed as (b^T @ a^T)^T: the weight tile then is the
-    dot's left operand, its BLOCK_N rows wgmma's M, where `a` has fewer than the 64 rows a
-    warpgroup's wgmma takes (otherwise Triton makes fp8 dots of 16 or 32 rows mma.sync
-    dots of fp16, converting both tiles in registers every K step)."""
-    if W_LEFT:
-        prod = tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
-    else:
-        prod = tl.dot(a, b)
-    return prod
-
-
-@triton.jit
 def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr,
               MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
@@ -289,11 +277,11 @@ def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.cons
     elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
         acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
     elif W_QUANT == W_BLOCK and ONE_SCALE:  # a scale per row this K step: one multiply-add per element
-        acc += _fp8_dot(a, b, W_LEFT) * (a_scale * b_scale)[:, None]
+        acc += fp8_dot(a, b, W_LEFT) * (a_scale * b_scale)[:, None]
     elif W_QUANT == W_BLOCK:
-        acc += _fp8_dot(a, b, W_LEFT) * a_scale[:, None] * b_scale[None, :]
+        acc += fp8_dot(a, b, W_LEFT) * a_scale[:, None] * b_scale[None, :]
     else:
-        acc += _fp8_dot(a, b, W_LEFT) * a_scale[:, None]
+        acc += fp8_dot(a, b, W_LEFT) * a_scale[:, None]
     return acc
 
 
@@ -474,12 +462,12 @@ def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, expert, rows, rows2, pid_n, k_f
     from shared memory once); with TILE_M2 > 0 a second row tile shares each weight tile, so
     a block's weight tiles are loaded once for all its rows. Accumulators stay interleaved
     (see _split_gate_up). W_DESC: weight tiles through a tensor descriptor over the
-    contiguous `[E * 2I, H]` (see _weight_desc)."""
+    contiguous `[E * 2I, H]` (see weight_desc)."""
     offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ok = offs_w < 2 * inter
     if W_DESC:
-        desc = _weight_desc(w_ptr, num_experts * 2 * inter, hidden, stride_wn, 2 * BLOCK_N, BLOCK_K)
+        desc = weight_desc(w_ptr, num_experts * 2 * inter, hidden, stride_wn, 2 * BLOCK_N, BLOCK_K)
         w_row = expert * 2 * inter + pid_n * 2 * BLOCK_N  # rows past the expert's 2I only feed masked columns
     else:
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[None, :] * stride_wn
@@ -503,14 +491,6 @@ def _gate_up_interleaved(a_ptrs, a2_ptrs, w_ptr, expert, rows, rows2, pid_n, k_f
             a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     return acc, acc2
-
-
-@triton.jit
-def _weight_desc(w_ptr, rows, cols, stride_wn, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A 2-D tensor descriptor over all experts' `rows` (E times an expert's) of a contiguous
-    `[E, N, K]` weight: tiles by bulk copy where the GPU has one (Hopper's TMA), plain loads
-    where Triton lowers it so; rows and columns out of range read as zeros."""
-    return tl.make_tensor_descriptor(w_ptr, shape=[rows, cols], strides=[stride_wn, 1], block_shape=[BLOCK_R, BLOCK_C])
 
 
 @triton.jit
@@ -606,8 +586,8 @@ def gate_up_kernel(
     Tiny mode splits K over program_id(1), SPLIT_K programs (a single expert's GEMV needs more
     programs than its N tiles give), and writes the fp32 activation for the down kernel
     (_tiny_store: `out` holds the partial sums of a split, `act` the result). PDL: the down
-    kernel may launch once every program here has started (_let_next_start)."""
-    _let_next_start(PDL)
+    kernel may launch once every program here has started (let_next_start)."""
+    let_next_start(PDL)
     pid_m, pid_n = _grid_position(tl.program_id(0), num_blocks_m, inter, BLOCK_N, GROUP_M)
     if TINY:
         expert, routes, rows, buffer_rows = _tiny_rows(pid_m, ids_ptr, map_ptr, num_routes, HAS_MAP, TILE_M)
@@ -673,7 +653,7 @@ def gate_up_gemv_kernel(
     as quantize_tokens_kernel would), each group's sums scaled as they are made (block scales
     too) and per-channel or per-tensor weight scales applied after the loop. Writes
     gate_up_kernel's tiny-mode fp32 activation (_tiny_store); PDL as there."""
-    _let_next_start(PDL)
+    let_next_start(PDL)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     route = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -811,23 +791,6 @@ def _sum_splits(ptrs, stride, mask, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _let_next_start(PDL: tl.constexpr):
-    """PDL: the launch after this one (made with launch_pdl) may start its programs once every
-    program of this one has passed here; they read nothing of this launch before _await_previous."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def _await_previous(PDL: tl.constexpr):
-    """PDL: wait until the launch before this one has finished and its writes are visible (at
-    once after the first time). Reads of what it wrote come after this; loads of weights issued
-    before it overlap the previous launch's last programs."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
 def _gate_up_store(acc_gate, acc_up, routes, rows, buffer_rows, offs_n, n_ok, scale_base, topk_weights_ptr,
                    out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
                    TINY: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr,
@@ -871,7 +834,7 @@ def down_kernel(
     rows and an N_SPLIT-th of the N tiles, walked in one loop over (N tile, K step) so that
     the next tile's loads are in flight while a tile is stored (with I of two or three K
     steps, a program per tile spends most of its time filling and draining its pipeline).
-    W_DESC: weight tiles through a tensor descriptor (_weight_desc)."""
+    W_DESC: weight tiles through a tensor descriptor (weight_desc)."""
     tiles = tl.cdiv(hidden, BLOCK_N)
     if N_SPLIT == 0:
         pid_m, first = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
@@ -890,7 +853,7 @@ def down_kernel(
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    desc = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K) if W_DESC else w_ptr
+    desc = weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K) if W_DESC else w_ptr
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     route_weight = 1.0
     if not WEIGHT_ON_INPUT:
@@ -944,7 +907,7 @@ def down_resident_kernel(
       per row and 128 columns); FP8_STEPS K steps of 128, each dot rescaled by its row and
       block scales as _mma_step does (ONE_SCALE, W_LEFT: its options); K_LO is 128 (the
       descriptor's box), K_HI 0.
-    W_DESC: weight tiles through tensor descriptors (_weight_desc). Output as down_kernel's."""
+    W_DESC: weight tiles through tensor descriptors (weight_desc). Output as down_kernel's."""
     pid_m = tl.program_id(0) // N_SPLIT
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
                                                   num_padded_ptr, BLOCK_M, TILE_M)
@@ -969,9 +932,9 @@ def down_resident_kernel(
     desc_lo = w_ptr
     desc_hi = w_ptr
     if W_DESC:
-        desc_lo = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_LO)
+        desc_lo = weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_LO)
         if K_HI > 0:
-            desc_hi = _weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_HI)
+            desc_hi = weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, K_HI)
     if not WEIGHT_ON_INPUT:
         route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
     out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
@@ -1068,7 +1031,7 @@ def down_tiny_kernel(
     (_last_to_arrive) adds them up in order: more programs at once where one token's H /
     BLOCK_N programs leave multiprocessors idle. PDL (launched with launch_pdl after the tiny
     gate/up): programs start while the gate/up's last ones run, load their first weight tile
-    and wait for the gate/up to finish before reading the activation (_await_previous)."""
+    and wait for the gate/up to finish before reading the activation (await_previous)."""
     # fp8: a step's activation groups (launch_config makes fp8 steps whole 128-wide groups)
     GROUP_K: tl.constexpr = SCALE_BLOCK if BLOCK_K >= SCALE_BLOCK else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
@@ -1084,7 +1047,7 @@ def down_tiny_kernel(
     w_ok = here[:, None, None] & n_ok[None, :, None]
     scale_base = scale_ptr + experts * stride_se  # [K_PAD]
     if A_TOKEN:
-        _await_previous(PDL)
+        await_previous(PDL)
         amax = tl.zeros([K_PAD], dtype=tl.float32)
         for k in range(0, tl.cdiv(inter, BLOCK_K)):
             a = _tiny_act(act_ptr, routes, here, k * BLOCK_K + tl.arange(0, BLOCK_K), inter)
@@ -1106,7 +1069,7 @@ def down_tiny_kernel(
             offs_g = k * (BLOCK_K // MX_GROUP) + tl.arange(0, BLOCK_K // MX_GROUP)
             g_ok = w_ok & (offs_g < inter // MX_GROUP)[None, None, :]
             scale = tl.load(scale_rows + offs_g[None, None, :], mask=g_ok, other=127)
-            _await_previous(PDL)
+            await_previous(PDL)
             a_even = _tiny_act(act_ptr, routes, here, 2 * offs_b, inter)
             a_odd = _tiny_act(act_ptr, routes, here, 2 * offs_b + 1, inter)
             products = tl.reshape(_mx_products(packed, a_even[:, None, :], a_odd[:, None, :]),
@@ -1127,7 +1090,7 @@ def down_tiny_kernel(
                 w = tl.reshape(_mx_decode(words, scale), [K_PAD, BLOCK_N, BLOCK_K])
             else:
                 w = tl.load(w_rows + offs_k[None, None, :], mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
-            _await_previous(PDL)
+            await_previous(PDL)
             a = _tiny_act(act_ptr, routes, here, offs_k, inter)
             if A_TOKEN:  # what the w8a8 GEMM computes: quantise-dequantise the input
                 a = _quantize_with(a, token_scale, FP8, FP8_MAX).to(tl.float32) * token_scale[:, None]

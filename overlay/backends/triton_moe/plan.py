@@ -150,7 +150,7 @@ def quantise_first(layer: Layer, block_k: int) -> bool:
 
 def _weight_left(layer: Layer, cfg: KernelConfig, rows: int, target: Target) -> bool:
     """w8a8 dots of `rows`-row activation tiles take the weight tile as their left operand
-    (kernels._fp8_dot): the entry asks (the tuner times both), the tile has under the 64 rows
+    (nvidia.fp8_dot): the entry asks (the tuner times both), the tile has under the 64 rows
     of a warpgroup's wgmma (Triton would convert both fp8 tiles to fp16 for mma.sync dots), on
     Hopper: not on AMD, whose fp8 matrix instructions take 16 rows."""
     return cfg.weight_left and layer.shape.fp8 and rows < 64 and target.hopper
