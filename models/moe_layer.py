@@ -93,7 +93,8 @@ def overlay_architecture(base: type, module: str) -> type:
 
 
 def _row(record: LayerRecord) -> dict[str, Any]:
-    return {"layer": record.name, **record.routing, **record.describe()}
+    """`model`: the upstream class that built the layer (a speculative draft is its own model)."""
+    return {"layer": record.name, "model": record.scope.architecture, **record.routing, **record.describe()}
 
 
 def _routing(layer: RoutedExperts) -> dict[str, Any]:

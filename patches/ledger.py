@@ -7,6 +7,7 @@ anything is installed; on drift the overlay refuses to start with one message.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from ..models.quant_methods import QUANT_METHODS
@@ -166,7 +167,8 @@ LEDGER: tuple[Hook, ...] = (
 )
 
 
-# What an overlay architecture calls on its upstream base (models/moe_layer.py overlay_architecture).
+# What an overlay architecture calls on its upstream base (models/moe_layer.py overlay_architecture):
+# base.__init__(self, vllm_config=..., prefix=...).
 ARCHITECTURE_INIT = ("self", "vllm_config", "prefix")
 
 
@@ -190,6 +192,13 @@ def check() -> None:
 def check_architecture(base: type) -> None:
     """Refuse when an upstream model class no longer takes what its overlay subclass passes it.
     Checked when the overlay class is defined, so only architectures that are built pay for
-    importing their upstream module."""
-    expect = Expect(f"{base.__module__}:{base.__qualname__}.__init__", ARCHITECTURE_INIT)
-    _refuse([p] if (p := expect.problem()) else [])
+    importing their upstream module. The call is bound, not the names compared: vLLM's
+    `support_torch_compile` (on DeepSeekMTP, for one) wraps a constructor in
+    `(self, *args, vllm_config=None, prefix="", **kwargs)`, which takes the same keywords."""
+    signature = inspect.signature(base.__init__)
+    try:
+        signature.bind(None, vllm_config=None, prefix="")
+    except TypeError:
+        found = ", ".join(signature.parameters)
+        _refuse([f"{base.__module__}:{base.__qualname__}.__init__: expected parameters "
+                 f"({', '.join(ARCHITECTURE_INIT)}), found ({found})"])

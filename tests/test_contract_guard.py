@@ -106,8 +106,13 @@ def test_serve_refuses_drift_with_one_line(tmp_path):
            "shard_id, expert_id, return_success), found (self, param, loaded_weight, weight_name, shard_id)" in lines[0]
 
 
-def test_every_overlay_architecture_subclasses_an_upstream_class_that_takes_what_it_passes():
+def test_every_overlay_architecture_subclasses_the_class_upstream_registers_for_it():
+    """Under each architecture name the overlay registers a subclass of the very class upstream's
+    registry names for it (a draft's name differs from its class: DeepSeekMTPModel is DeepSeekMTP),
+    whose constructor takes what the overlay passes."""
     import importlib
+
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS, _VLLM_MODELS
 
     for arch, target in plugin.ARCHITECTURES.items():
         module, name = target.split(":")
@@ -115,7 +120,9 @@ def test_every_overlay_architecture_subclasses_an_upstream_class_that_takes_what
             continue  # its upstream module imports torchvision, absent on the CPU lane (tests/test_llama4_*)
         overlay = getattr(importlib.import_module(module), name)
         base = overlay.__mro__[1]
-        assert base.__name__ == arch and base.__module__.startswith("vllm.")
+        upstream_module, upstream_class = (_VLLM_MODELS | _SPECULATIVE_DECODING_MODELS)[arch]
+        assert base.__name__ == upstream_class and base.__module__.startswith("vllm.")
+        assert base.__module__.endswith(upstream_module) or base.__module__.startswith(upstream_module + ".")
         ledger.check_architecture(base)  # passes as installed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -100,6 +101,27 @@ def test_tiny_config_resolves(tmp_path, monkeypatch):
          r"hardware\.hbm: unknown key \(known: gpus, arch, notes\)"),
         ({"gsm8k": {"published": 95.5, "source": "x"}}, r"gsm8k\.published: must be less than 1\.0, got 95\.5"),
         ({"gsm8k": {"published": 0.9}}, r"gsm8k\.source: is required"),
+        ({"speculative_config": {"method": "medusa2", "num_speculative_tokens": 1}},
+         r"speculative_config\.method: 'medusa2' is not one of mtp, deepseek_mtp, kimi_k3_mtp, eagle, eagle3, "),
+        ({"speculative_config": {"method": "mtp"}}, r"speculative_config\.num_speculative_tokens: is required"),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 0}},
+         r"speculative_config\.num_speculative_tokens: must be at least 1, got 0"),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1, "tokens": 2}},
+         r"speculative_config\.tokens: unknown key \(known: method, num_speculative_tokens, model, "
+         r"draft_tensor_parallel_size\)"),
+        ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}},
+         r"speculative_config\.model: is required with method eagle3 \(the draft model's checkpoint\)"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "model": "hf:a/b"}},
+         r"speculative_config\.model: 'hf:a/b': method ngram runs no draft model"),
+        ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "model": "drafts/none"}},
+         r"speculative_config\.model: 'drafts/none': .*drafts/none does not exist"),
+        ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "model": "builtin:tiny-mixtral"}},
+         r"speculative_config\.model: 'builtin:tiny-mixtral': no embedded draft models"),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 4},
+          "parallel": {"tensor": 8}},
+         r"speculative_config\.draft_tensor_parallel_size: 4: vLLM takes 1 or the target's parallel\.tensor \(8\)"),
+        ({"vllm": {"speculative-config": {"method": "mtp"}}},
+         r"vllm\.speculative-config: set it as speculative_config instead"),
     ],
 )
 def test_bad_config_names_file_key_and_value(tmp_path, sections, message):
@@ -134,6 +156,35 @@ def test_flags_and_relative_model_paths(tmp_path):
     assert dep.model == str(tmp_path / "weights") and dep.name == "weights"
     flags = dep.extra_flags
     assert "--no-enable-prefix-caching" in flags and flags[flags.index("--seed") + 1] == "3"
+
+
+def test_speculative_config_becomes_vllms_flag(tmp_path):
+    """The section is vLLM's --speculative-config JSON on every node; a local draft path is resolved
+    against the file's folder and a hub draft loses its hf: prefix, as model.path does."""
+    (tmp_path / "draft").mkdir()
+    local = load(_variant(tmp_path, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                                         "model": "draft", "draft_tensor_parallel_size": 1}))
+    argv = local.argv("python")
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "draft"),
+        "draft_tensor_parallel_size": 1}
+    hub = load(_variant(tmp_path, speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
+                                                       "model": "hf:org/draft"}))
+    assert json.loads(hub.speculative) == {"method": "eagle3", "num_speculative_tokens": 2, "model": "org/draft"}
+    assert "--speculative-config" not in load(TINY).argv("python")
+
+
+def test_dry_run_of_the_mtp_config(tmp_path):
+    result = _serve(str(ROOT / "configs" / "tiny-deepseek-v3-mtp.yaml"), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert """--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'""" in result.stdout
+
+
+def test_exported_recipe_keeps_the_speculative_config():
+    from moe_overlay.serving.recipe import recipe
+
+    args = recipe(load(ROOT / "configs" / "deepseek-v3-mi300x-tp8-mtp.yaml"), "0.32.0")["model"]["base_args"]
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def test_dry_run_prints_the_resolved_command(tmp_path):

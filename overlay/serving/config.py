@@ -37,6 +37,7 @@ OWNED_FLAGS = {
     "host": ("server.host", "host"), "port": ("server.port", "port"),
     "tensor-parallel-size": ("parallel.tensor", "tensor"), "pipeline-parallel-size": ("parallel.pipeline", "pipeline"),
     "data-parallel-size": ("parallel.data", "data"), "enable-expert-parallel": ("parallel.expert", "expert"),
+    "speculative-config": ("speculative_config", "speculative"),
 }
 NODE_FLAGS = ("data-parallel-size-local", "data-parallel-address", "data-parallel-rpc-port",
               "data-parallel-start-rank", "headless", "nnodes", "node-rank", "master-addr")
@@ -107,6 +108,24 @@ class NodesSection(_Section):
     rpc_port: Port = 13345  # vLLM's data-parallel RPC port, the same on every node
 
 
+# vLLM's speculative methods a deployment of these models can name: `mtp` runs the checkpoint's own
+# multi-token-prediction layers as the draft (`deepseek_mtp` and `kimi_k3_mtp` are upstream's older
+# names for it, which vLLM rewrites to mtp); the others run a separate draft model, or none.
+SpeculativeMethod = Literal["mtp", "deepseek_mtp", "kimi_k3_mtp", "eagle", "eagle3", "dspark", "draft_model",
+                            "ngram", "suffix"]
+DRAFT_MODEL_METHODS = ("eagle", "eagle3", "draft_model")  # a separate draft checkpoint: `model` is required
+MODEL_FREE_METHODS = ("ngram", "suffix")  # no draft model at all
+
+
+class SpeculativeSection(_Section):
+    """vLLM's speculative decoding (`--speculative-config`), its keys as vLLM names them."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: Annotated[int, Field(ge=1)]
+    model: str | None = None  # the draft: a local folder (relative to the file) or hf:ORG/NAME
+    draft_tensor_parallel_size: Annotated[int, Field(ge=1)] | None = None
+
+
 class HardwareSection(_Section):
     gpus: str  # e.g. "8x AMD Instinct MI355X"
     arch: Literal["gfx942", "gfx950", "cpu"]
@@ -128,6 +147,7 @@ class DeploymentFile(_Section):
     nodes: NodesSection = NodesSection()
     hardware: HardwareSection | None = None
     gsm8k: Gsm8kSection | None = None
+    speculative_config: SpeculativeSection | None = None
     vllm: dict[str, Any] = {}  # free-form: any other `vllm serve` flag
     env: dict[str, Annotated[Any, AfterValidator(_scalar)]] = {}  # environment of the server
 
@@ -179,6 +199,7 @@ class Deployment:
     nodes: NodesSection = field(default_factory=NodesSection)
     hardware: HardwareSection | None = None
     gsm8k: Gsm8kSection | None = None
+    speculative: str | None = None  # --speculative-config, as JSON
     extra_flags: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -331,16 +352,16 @@ def _env(source: Path, raw: dict[str, Any], backend: str) -> dict[str, str]:
     return env
 
 
-def _model(source: Path, path: str | None) -> tuple[str, str | None]:
+def _model(source: Path, path: str | None, key: str = "model.path") -> tuple[str, str | None]:
     if not path:
-        raise _fail(source, "model.path", "is required (a local folder, hf:ORG/NAME, or builtin:NAME)")
+        raise _fail(source, key, "is required (a local folder, hf:ORG/NAME, or builtin:NAME)")
     if path.startswith(BUILTIN_PREFIX):
         from .builtin_models import BUILTIN_NAMES, builtin_dir
 
         name = path[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_NAMES:
             have = ", ".join(BUILTIN_NAMES)
-            raise _fail(source, "model.path", f"{path!r}: no embedded model {name!r} (have: {have})")
+            raise _fail(source, key, f"{path!r}: no embedded model {name!r} (have: {have})")
         return str(builtin_dir(name)), name
     if path.startswith(HUB_PREFIX):
         return path[len(HUB_PREFIX):], None
@@ -348,10 +369,32 @@ def _model(source: Path, path: str | None) -> tuple[str, str | None]:
     if not local.is_absolute():
         local = (source.parent / local).resolve()
     if not local.is_dir():
-        raise _fail(source, "model.path", f"{path!r}: {local} does not exist (use hf:ORG/NAME for a hub model)")
+        raise _fail(source, key, f"{path!r}: {local} does not exist (use hf:ORG/NAME for a hub model)")
     if links := links_outside(local):  # served under this folder's name, read from elsewhere
-        raise _fail(source, "model.path", describe_links(local, links))
+        raise _fail(source, key, describe_links(local, links))
     return str(local), None
+
+
+def _speculative(source: Path, spec: SpeculativeSection | None, parallel: ParallelSection) -> str | None:
+    """The section as vLLM's `--speculative-config` JSON; what vLLM would refuse later is refused here."""
+    if spec is None:
+        return None
+    key = "speculative_config"
+    if spec.method in DRAFT_MODEL_METHODS and spec.model is None:
+        raise _fail(source, f"{key}.model", f"is required with method {spec.method} (the draft model's checkpoint)")
+    if spec.method in MODEL_FREE_METHODS and spec.model is not None:
+        raise _fail(source, f"{key}.model", f"{spec.model!r}: method {spec.method} runs no draft model")
+    tp = spec.draft_tensor_parallel_size
+    if tp is not None and tp not in (1, parallel.tensor):
+        raise _fail(source, f"{key}.draft_tensor_parallel_size",
+                    f"{tp}: vLLM takes 1 or the target's parallel.tensor ({parallel.tensor})")
+    values = spec.model_dump(exclude_none=True)
+    if spec.model is not None and spec.model.startswith(BUILTIN_PREFIX):
+        raise _fail(source, f"{key}.model", f"{spec.model!r}: no embedded draft models (use a local folder or "
+                                            f"{HUB_PREFIX}ORG/NAME)")
+    if spec.model is not None:
+        values["model"], _ = _model(source, spec.model, f"{key}.model")
+    return json.dumps(values)
 
 
 def _check_nodes(source: Path, nodes: NodesSection, parallel: ParallelSection) -> None:
@@ -392,5 +435,6 @@ def load(path: str | os.PathLike[str]) -> Deployment:
         backend=moe.backend, strict=moe.strict, tensor=par.tensor, pipeline=par.pipeline,
         data=par.data, expert=par.expert, host=server.host, port=server.port, api_key=server.api_key,
         nodes=spec.nodes, hardware=spec.hardware, gsm8k=spec.gsm8k,
+        speculative=_speculative(source, spec.speculative_config, par),
         extra_flags=_flag_args(source, spec.vllm), env=_env(source, spec.env, moe.backend),
     )

@@ -13,11 +13,12 @@ checkpoint is read from its folder.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .builtin_models import ensure_builtin
-from .config import Deployment
+from .config import ConfigError, Deployment
 
 # hub checkpoint of a shipped config -> the twin with its architecture and quantization_config
 STAND_INS = {
@@ -57,16 +58,47 @@ def checkpoint_folder(deployment: Deployment) -> tuple[Path, str] | None:
     return (folder, str(folder)) if (folder / "config.json").is_file() else None
 
 
+def _model_config(folder: Path, deployment: Deployment):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(folder), quantization=deployment.quantization, dtype=deployment.dtype,
+                       trust_remote_code="--trust-remote-code" in deployment.extra_flags, skip_tokenizer_init=True)
+
+
+def speculative_draft(folder: Path, deployment: Deployment) -> str:
+    """The draft the installed vLLM builds for the deployment's speculative_config (its own
+    SpeculativeConfig, as at start-up) and whether the overlay installs into its MoE layers."""
+    from vllm.config import ParallelConfig
+    from vllm.config.speculative import SpeculativeConfig
+
+    from ..patches.plugin import ARCHITECTURES
+
+    values = json.loads(deployment.speculative or "{}")
+    target = _model_config(folder, deployment)
+    if values.get("model") is None and not getattr(target.hf_text_config, "num_nextn_predict_layers", 0):
+        if deployment.model in STAND_INS:  # the twin cannot tell whether the hub checkpoint has them
+            return f"not checked: the twin {STAND_INS[deployment.model]} has no MTP layers to stand in for its draft"
+        raise ConfigError(f"{deployment.source}: speculative_config.method: {values['method']} drafts with the "
+                          f"checkpoint's MTP layers, and {folder} has none (num_nextn_predict_layers 0)")
+    # Which draft is built does not depend on parallelism (checked against parallel.tensor when the file
+    # is read), and a twin's few attention heads would not divide a real deployment's tensor size.
+    values.pop("draft_tensor_parallel_size", None)
+    draft = SpeculativeConfig(**values, target_model_config=target,
+                              target_parallel_config=ParallelConfig()).draft_model_config
+    architecture = draft.architectures[0]
+    where = "the overlay's (MoE layers on the adapter)" if architecture in ARCHITECTURES else \
+        "not the overlay's: any MoE layers it has stay stock and /v1/moe does not list them"
+    return f"method {values['method']} drafts with {architecture}, {where}"
+
+
 def moe_quant(folder: Path, deployment: Deployment) -> MoEQuant:
     """Build one MoE layer as the installed vLLM would for this checkpoint and deployment."""
-    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    from vllm.config import LoadConfig, VllmConfig
 
     from ..models.quant_methods import NotMapped, mapper_for
     from ..models.standalone import build_moe, vllm_context
 
-    model_config = ModelConfig(model=str(folder), quantization=deployment.quantization, dtype=deployment.dtype,
-                               trust_remote_code="--trust-remote-code" in deployment.extra_flags,
-                               skip_tokenizer_init=True)
+    model_config = _model_config(folder, deployment)
     quant_config = VllmConfig.get_quantization_config(model_config, LoadConfig())
     with vllm_context():
         method = build_moe(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,

@@ -67,7 +67,8 @@ def recipe(dep: Deployment, vllm_version: str, today: datetime.date | None = Non
     org, _, repo = dep.model.partition("/")
     flags = []
     for flag, value in (("--max-model-len", dep.max_model_len), ("--quantization", dep.quantization),
-                        ("--dtype", None if dep.dtype == "auto" else dep.dtype)):
+                        ("--dtype", None if dep.dtype == "auto" else dep.dtype),
+                        ("--speculative-config", dep.speculative)):
         if value is not None:
             flags += [flag, str(value)]
     precision = dep.precision or dep.quantization or PRECISIONS.get(dep.dtype)
