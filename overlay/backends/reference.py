@@ -42,29 +42,41 @@ def reference_moe(
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_j w[t,j] * expert_{id[t,j]}(x[t]) (or expert(w*x) with weight on input)."""
+    """out[t] = sum_j w[t,j] * expert_{id[t,j]}(x[t]) (or expert(w*x) with weight on input).
+
+    w8a8 activations are quantised as a fused-MoE kernel does, a whole batch at once: the input
+    (weighted first where the weight goes on the input) before the gate/up GEMMs, then every
+    routed copy's activation before the down GEMMs. So a per-tensor scale is one
+    over the batch, as upstream's; per-token and 1x128 scales are a row's own either way."""
     num_global = expert_map.numel() if expert_map is not None else w13.shape[0]
     check_expert_ids(topk_ids, num_global)
     local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     block_k = quant.block[1]
+    routes = topk_weights.float().unsqueeze(-1)  # [M, k, 1]
+    # the batch [M, 1, H], or with the weight on the input each routed copy's input [M, k, H]
+    h = x.float().unsqueeze(1) * routes if weight_on_input else x.float().unsqueeze(1)
+    h = fake_quantize_activations(h.flatten(0, 1), quant.activations, quant.fp8_dtype, block_k).view(h.shape)
+    h = h.expand(*local.shape, -1)
+    acts = torch.zeros(*local.shape, w13.shape[-2] // 2, dtype=torch.float32, device=x.device)  # [M, k, I]
     for e in range(w13.shape[0]):
+        mask = local == e
+        if mask.any():
+            w1 = _dequantize(w13[e : e + 1], None if scales[0] is None else scales[0][e : e + 1], quant)[0]
+            gate_up = h[mask] @ w1.T
+            if biases[0] is not None:
+                gate_up = gate_up + biases[0][e].float()
+            acts[mask] = apply_gated(activation, gate_up)
+    acts = fake_quantize_activations(acts.flatten(0, 1), quant.activations, quant.fp8_dtype, block_k).view(acts.shape)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w2.shape[0]):
         tok, slot = torch.nonzero(local == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        route = topk_weights[tok, slot].float().unsqueeze(1)
-        h = x[tok].float() * route if weight_on_input else x[tok].float()
-        h = fake_quantize_activations(h, quant.activations, quant.fp8_dtype, block_k)
-        w1 = _dequantize(w13[e : e + 1], None if scales[0] is None else scales[0][e : e + 1], quant)[0]
-        gate_up = h @ w1.T
-        if biases[0] is not None:
-            gate_up = gate_up + biases[0][e].float()
-        a = fake_quantize_activations(apply_gated(activation, gate_up), quant.activations, quant.fp8_dtype, block_k)
         w2e = _dequantize(w2[e : e + 1], None if scales[1] is None else scales[1][e : e + 1], quant)[0]
-        y = a @ w2e.T
+        y = acts[tok, slot] @ w2e.T
         if biases[1] is not None:
             y = y + biases[1][e].float()
-        out.index_add_(0, tok, y if weight_on_input else y * route)
+        out.index_add_(0, tok, y if weight_on_input else y * routes[tok, slot])
     return out.to(x.dtype)
 
 

@@ -31,8 +31,8 @@ def _spec(quant=FP8_TENSOR, k=2, act=None, on_input=False, i=128, **kw) -> mo.Mo
 
 
 BOTH = ("gfx942", "gfx950")
-# fp8: both sides quantise activations, on grids that differ (e4m3fnuz on gfx942, per-tensor
-# scales over all tokens vs each expert's), so their fp8 errors do not cancel.
+# fp8: both sides quantise activations, on grids that differ on gfx942 (AITER's e4m3fnuz, the
+# reference's e4m3fn), so their fp8 errors do not cancel there.
 PATH_CASES = [
     PathCase("bf16-silu", _spec(mo.QuantSpec()), BOTH, "installed", 0.02),
     PathCase("fp16-gelu-weight-on-input", _spec(mo.QuantSpec(), 1, mo.Activation.gelu(), True, dtype=torch.float16),
