@@ -17,7 +17,6 @@ reach the adapter the same way (last test).
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -26,82 +25,27 @@ pytest.importorskip("vllm", reason="the block is upstream vLLM's own")
 import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from safetensors.torch import load_file
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel
-from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW4A4Mxfp4
-from vllm.model_executor.model_loader.utils import process_weights_after_loading
-from vllm.models.kimi_k3.amd.linear import KimiLinearModel, KimiMoE
+from vllm.models.kimi_k3.amd.linear import KimiMoE
 from vllm.models.kimi_k3.nvidia.latent_moe_runner import LatentMoERunner
 from vllm.models.kimi_k3.nvidia.model import KimiMoE as NvidiaKimiMoE
 from vllm.platforms import PlatformEnum
-from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 
 from moe_overlay.models import moe_layer
 from moe_overlay.models.moe_layer import OverlayMoEMethod, OverlayRoutedExperts, adapter_scope, describe_rows
-from moe_overlay.models.tiny import build
+from tests.kimi_k3 import LAYER, PREFIX, dequant_mxfp4, load_block, quant_config, reference, twin
 from tests.vllm_layers import vllm_context
-
-LAYER = 1  # layer 0 is dense (first_k_dense_replace 1)
-PREFIX = f"language_model.model.layers.{LAYER}.block_sparse_moe"
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-# -- the published maths, written out plainly -------------------------------------------------
-
-
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`[N, K/2]` uint8 (element 2j in the low nibble: bit 3 sign, bits 0-2 index E2M1) with
-    e8m0 `[N, K/32]` (value 2**(s - 127) for 32 consecutive elements) -> fp32 `[N, K]`."""
-    out = torch.empty(packed.shape[0], packed.shape[1] * 2)
-    for j, nibbles in enumerate((packed & 0xF, packed >> 4)):
-        magnitude = torch.tensor(E2M1)[(nibbles & 0x7).long()]
-        out[:, j::2] = torch.where((nibbles & 0x8) != 0, -magnitude, magnitude)
-    return out * torch.pow(2.0, scale.float() - 127).repeat_interleave(32, dim=1)
-
-
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """Kimi-K3's MoE block in fp32: the routed latent sum (scaled) and the block's output."""
-    def w(name: str) -> torch.Tensor:
-        if f"{PREFIX}.{name}.weight_packed" in ckpt:
-            return dequant_mxfp4(ckpt[f"{PREFIX}.{name}.weight_packed"], ckpt[f"{PREFIX}.{name}.weight_scale"])
-        return ckpt[f"{PREFIX}.{name}.weight"].float()
-
-    beta, linear_beta = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
-    scores = torch.sigmoid(x @ w("gate").T)
-    chosen = (scores + ckpt[f"{PREFIX}.gate.e_score_correction_bias"]).topk(cfg.num_experts_per_token).indices
-    weights = scores.gather(1, chosen)  # the bias picks experts, the unbiased scores weigh them
-    weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-    latent = x @ w("routed_expert_down_proj").T
-    routed = torch.zeros_like(latent)
-    for t in range(x.shape[0]):
-        for e, weight in zip(chosen[t].tolist(), weights[t], strict=True):
-            act = situ(latent[t] @ w(f"experts.{e}.w1").T, latent[t] @ w(f"experts.{e}.w3").T, beta, linear_beta)
-            routed[t] += weight * (act @ w(f"experts.{e}.w2").T)
-    up = rms_norm(routed, ckpt[f"{PREFIX}.routed_expert_norm.weight"], cfg.rms_norm_eps) @ w("routed_expert_up_proj").T
-    shared = situ(x @ w("shared_experts.gate_proj").T, x @ w("shared_experts.up_proj").T, beta, linear_beta)
-    return {"routed": routed, "up": up, "shared": shared @ w("shared_experts.down_proj").T, "chosen": chosen}
-
 
 # -- upstream's block, built and loaded as the model does -------------------------------------
 
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    twin = build("tiny-kimi-k3", tmp_path_factory.mktemp("twin") / "tiny-kimi-k3")
-    config = KimiK3Config(**json.loads((twin / "config.json").read_text())).text_config
-    ckpt = load_file(str(twin / "model.safetensors"))
+    config, ckpt = twin(tmp_path_factory.mktemp("twin"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOE_OVERLAY_BACKEND", "torch")
         mp.setenv("MOE_OVERLAY_STRICT", "1")
@@ -111,23 +55,11 @@ def kimi(tmp_path_factory):
         torch.set_default_dtype(torch.float32)  # the twin is fp32; compare without bf16 rounding
         try:
             with vllm_context() as vllm_config:
-                quant_config = CompressedTensorsConfig.from_config(config.quantization_config)
                 with adapter_scope("KimiLinearForCausalLM"):  # as OverlayKimiLinearForCausalLM.__init__
-                    block = KimiMoE(config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
-                model = torch.nn.Module()  # KimiLinearModel's attributes that its loader reads
-                model.config = config
-                model.layers = torch.nn.ModuleDict({str(LAYER): torch.nn.Module()})
-                model.layers[str(LAYER)].block_sparse_moe = block
-                # AutoWeightsLoader strips "language_model." and "model." on the way down.
-                strip = "language_model.model."
-                weights = [(k.removeprefix(strip), v) for k, v in ckpt.items() if k.startswith(f"{PREFIX}.")]
-                loaded = KimiLinearModel.load_weights(model, weights)
-                params = {name for name, _ in model.named_parameters()}
-                process_weights_after_loading(
-                    model, SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None),
-                    torch.device("cpu"))
+                    block = KimiMoE(config, quant_config=quant_config(config), prefix=PREFIX, layer_idx=LAYER)
+                load = load_block(block, config, ckpt)
                 yield SimpleNamespace(block=block, ckpt=ckpt, config=config, vllm_config=vllm_config,
-                                      rows=describe_rows(), loaded=loaded, params=params)
+                                      rows=describe_rows(), loaded=load.loaded, params=load.params)
         finally:
             torch.set_default_dtype(torch_dtype)
 
@@ -237,8 +169,8 @@ def test_the_nvidia_half_hands_its_routed_experts_to_the_adapter_too(kimi, monke
     monkeypatch.setitem(linear_kernels._POSSIBLE_MXFP4_KERNELS, PlatformEnum.CPU, [_NoMxfp4Linear])
     prefix = f"language_model.model.layers.{LAYER + 1}.block_sparse_moe"
     with vllm_context() as vllm_config, adapter_scope("KimiLinearForCausalLM"):
-        block = NvidiaKimiMoE(kimi.config, vllm_config, quant_config=CompressedTensorsConfig.from_config(
-            kimi.config.quantization_config), prefix=prefix, layer_idx=LAYER + 1)
+        block = NvidiaKimiMoE(kimi.config, vllm_config, quant_config=quant_config(kimi.config), prefix=prefix,
+                              layer_idx=LAYER + 1)
     assert isinstance(block.experts, LatentMoERunner)
     method = block.experts.routed_experts.quant_method
     assert isinstance(method, OverlayMoEMethod)
