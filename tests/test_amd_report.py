@@ -3,6 +3,8 @@ gfx942/gfx950 entries, or the defaults fitted to the target's LDS), compiled for
 gfx950 with Triton's AMD backend on this machine: none spills, none needs more LDS than its
 target has, and the report reads each kernel's resources from its AMDGCN."""
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("triton")
@@ -57,3 +59,29 @@ def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
     big = Resources.of("down_kernel", GCN.replace("3\n", "0\n"), 70 * 1024, 8)
     assert big.problems(AMD_TARGETS["gfx942"]) == ["71680 bytes of LDS, over gfx942's 65536"]
     assert big.problems(AMD_TARGETS["gfx950"]) == []
+
+
+def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
+    """tune's AMD check, with an absent Hopper standing in for gfx942: Kimi-K3's mxfp4 gate/up
+    at M=8192 with 64x128 tiles on 8 warps spills registers when compiled for gfx942 and is
+    left out of the timing; its sibling stepping K by 64 on 4 warps is kept."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from moe_overlay.backends.problems import model, with_weights
+    from moe_overlay.backends.triton_moe.configs import KernelConfig
+    from moe_overlay.backends.triton_moe.offline import AbsentGpu, fresh_device
+    from moe_overlay.backends.triton_moe.target import TARGET_ENV
+    from moe_overlay.backends.triton_moe.tune import Point, _amd_rejects
+
+    monkeypatch.setenv(TARGET_ENV, "gfx942")
+    spec = with_weights(model("Kimi-K3").spec, "mxfp4")
+    point = Point("Kimi-K3 mxfp4", replace(spec, num_experts=64), 8192)  # fewer experts: less memory
+    spills = KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=2)
+    fits = KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
+    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), fresh_device()))
+    try:
+        rejects = _amd_rejects(point, 192, [("gate_up", spills), ("gate_up", fits)])
+    finally:
+        driver.set_active(None)
+    assert rejects == [("gate_up", spills)]

@@ -1,5 +1,5 @@
 """`make amd-report`: what each AMD target (gfx942: MI300X, MI325X; gfx950: MI355X) would run,
-compiled for it with Triton's AMD backend on any machine (no GPU: offline.AbsentGpu stands in
+compiled for it with Triton's AMD backend on any machine (no GPU: offline.absent_gpu stands in
 for the driver), and each kernel's resources read from its AMDGCN: VGPRs and AGPRs, spills,
 LDS bytes, waves a SIMD, and the matrix and other vector instructions of its main loop (one
 K step).
@@ -14,7 +14,6 @@ makes of the kernels, not how fast they are.
 from __future__ import annotations
 
 import argparse
-import itertools
 import re
 import sys
 from collections.abc import Iterator
@@ -23,15 +22,13 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 from triton.backends import backends
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
 
 from ...backend import Platform, get_backend
 from ...layout import to_layout
 from ..problems import TOKEN_COUNTS, empty_weights, format_models, model, random_input, random_routing, with_weights
 from . import kernels, launch
 from .configs import LaunchConfig, LayerShape, current_table, launch_config, lookup, table_devices
-from .offline import AbsentGpu
+from .offline import absent_gpu, fresh_device
 from .plan import gluon_kernels
 from .target import AMD_TARGETS, Target, current_target
 
@@ -42,7 +39,6 @@ MAX_WAVES_A_SIMD = 8
 SIMDS_A_CU = 4
 LDS_A_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 COMPILE_EXPERTS = 4  # experts a top-k route compiles with (the kernels take E unspecialised)
-FIRST_DEVICE = 3000  # Triton keeps compiled kernels per device index: each launch gets its own from here
 
 
 @dataclass(frozen=True)
@@ -118,16 +114,16 @@ class Launch:
     kernels: tuple[Resources, ...]
 
 
-def _compiled(device: int) -> list[Resources]:
+def compiled(device: int) -> list[Resources]:
     """Every kernel compiled for `device` (Triton's driver stands in for it)."""
     return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps)
             for module in (kernels, gluon_kernels) if module is not None for name, fn in vars(module).items()
             if device in getattr(fn, "device_caches", {}) for k in fn.device_caches[device][0].values()]
 
 
-def compile_launches(arch: str, weights: str, tokens: list[int], devices: Iterator[int]) -> Iterator[Launch]:
+def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Launch]:
     """The launches `arch` runs for the layers shipped in `weights`, each compiled for it
-    (under a device index of its own from `devices`, so that its kernels are its alone)."""
+    (under a device index of its own, so that its kernels are its alone)."""
     for name in format_models(weights):
         spec = with_weights(model(name).spec, weights)
         shape = LayerShape.of(spec)
@@ -140,19 +136,15 @@ def compile_launches(arch: str, weights: str, tokens: list[int], devices: Iterat
                                 spec.quant.activations == "fp8_token")
         layer = replace(layer, shape=shape)  # the full layer's shape: its launch table entry, its plan
         for m in tokens:
-            device = next(devices)
-            driver.set_active(AbsentGpu(GPUTarget("hip", arch, 64), device))
-            try:
+            device = fresh_device()
+            with absent_gpu("hip", arch, device):
                 target = current_target()
                 config = launch_config(shape, torch.device("cpu"), m, target)
                 tuned = lookup(current_table(), table_devices(torch.device("cpu"), target), shape, m)[1]
                 w, ids = random_routing(m, small, "cpu", seed=2)
-                with launch.compile_only():
-                    launch.fused_experts(layer, random_input(m, small, "cpu", seed=3), tensors["w13"], tensors["w2"],
-                                         tensors.get("w13_scale"), tensors.get("w2_scale"), w, ids, None, config)
-                yield Launch(target, name, weights, m, config, tuned, tuple(_compiled(device)))
-            finally:
-                driver.set_active(None)
+                launch.fused_experts(layer, random_input(m, small, "cpu", seed=3), tensors["w13"], tensors["w2"],
+                                     tensors.get("w13_scale"), tensors.get("w2_scale"), w, ids, None, config)
+            yield Launch(target, name, weights, m, config, tuned, tuple(compiled(device)))
 
 
 def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
@@ -161,10 +153,9 @@ def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[s
              "| waves / SIMD | MFMA a K step | other VALU a K step |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     problems = []
-    devices = itertools.count(FIRST_DEVICE)
     for arch in targets:
         for weights in formats:
-            for found in compile_launches(arch, weights, tokens, devices):
+            for found in compile_launches(arch, weights, tokens):
                 print(f"compiled {arch} {found.model} {weights} M={found.tokens}: {len(found.kernels)} kernels",
                       file=sys.stderr, flush=True)
                 for r in found.kernels:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ...backend import Platform
 from ...spec import MoESpec
 from ..problems import MODELS, ROUTINGS, TOKEN_COUNTS, WEIGHT_FORMATS, model, with_weights
 from .configs import (
@@ -328,6 +329,11 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
     return cands
 
 
+def _without(cands: Candidates, left_out: set[Kernel]) -> Candidates:
+    return Candidates(cands.block_m, [g for g in cands.gate_up if ("gate_up", g) not in left_out],
+                      [d for d in cands.down if ("down", d) not in left_out])
+
+
 def _runnable(shape: LayerShape, cands: Candidates) -> Candidates:
     """mxfp4 (canonical packed weights): K steps of MX_MIN_K at least, as launch_config's
     rules have it; others as they are."""
@@ -344,20 +350,20 @@ class Problem:
     """One point's weights, routings and buffers. The weights are random, in the backend's
     layout for this GPU (what prepare() makes: mxfp4 words on NVIDIA, say)."""
 
-    def __init__(self, point: Point, routings: int, random: bool) -> None:
+    def __init__(self, point: Point, routings: int, random: bool, platform: Platform | None = None) -> None:
+        """On this GPU, or with `platform` on the CPU (tensors to compile for an absent GPU)."""
         import torch
 
-        from ...backend import Platform
         from ...layout import to_layout
         from ..problems import empty_weights, random_calls, random_weights
         from . import launch
         from .backend import TritonBackend
 
-        spec, device = point.spec, torch.device("cuda")
-        self.point = point
+        spec, device = point.spec, torch.device("cpu" if platform else "cuda")
+        self.point, self.device = point, device
         # compiling needs shapes and dtypes only
         canonical = random_weights(spec, device, seed=0) if random else empty_weights(spec, device)
-        self.tensors = to_layout(canonical, spec, TritonBackend().layout_for(spec, Platform.of(device)))
+        self.tensors = to_layout(canonical, spec, TritonBackend().layout_for(spec, platform or Platform.of(device)))
         self.inputs = random_calls(point.tokens, spec, device, routings, seed=100)
         act = spec.activation
         self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),
@@ -377,12 +383,12 @@ class Problem:
         aligns = [None if self.tiny else launch.align(ids, None, spec.num_local_experts, block_m)
                   for _, _, ids in self.inputs]
         if self.tiny:  # room for the largest K split
-            acts = [launch.TinyOut.empty(routes, inter, MAX_SPLIT_K, torch.device("cuda")) for _ in aligns]
+            acts = [launch.TinyOut.empty(routes, inter, MAX_SPLIT_K, self.device) for _ in aligns]
             for tiny in acts:
                 tiny.act.zero_()
         else:
-            acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device="cuda") for a in aligns]
-        outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device="cuda") for _ in self.inputs]
+            acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device=self.device) for a in aligns]
+        outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device=self.device) for _ in self.inputs]
 
         def gate_up(cfg: KernelConfig) -> None:
             plan = launch.plan_for(layer, LaunchConfig(block_m, cfg, cfg), self.tiny)
@@ -422,22 +428,59 @@ def compile_tasks(plan: list[tuple[Point, list[Candidates]]]) -> list[tuple[Poin
     return tasks
 
 
-def _compile(task: tuple[Point, int, list[Kernel]]) -> int:
-    """Worker: compile some kernels of one point into Triton's disk cache; count failures."""
+def _compile(task: tuple[Point, int, list[Kernel]]) -> tuple[int, list[Kernel]]:
+    """Worker: compile some kernels of one point into Triton's disk cache: (failures, the
+    kernels an AMD target cannot take). On an AMD target each is also compiled for it with
+    Triton's AMD backend (no AMD GPU needed), and one that spills registers or needs more LDS
+    than the target has is named, for the timing pass to leave out: the GPU standing in would
+    run it at a speed the target cannot reach."""
     from .launch import compile_only
 
     point, block_m, kernels = task
     experts = min(point.spec.num_experts, COMPILE_EXPERTS * point.spec.top_k)  # less memory per process
-    problem = Problem(replace(point, spec=replace(point.spec, num_experts=experts)), 1, random=False)
+    small = replace(point, spec=replace(point.spec, num_experts=experts))
     failures = 0
     with compile_only():
-        gate_up, down = problem.runners(block_m)
+        gate_up, down = Problem(small, 1, random=False).runners(block_m)
         for kind, cfg in kernels:
             try:
                 (gate_up if kind == "gate_up" else down)(cfg)
             except Exception:  # e.g. out of shared memory: the timing pass skips it too
                 failures += 1
-    return failures
+    return failures, _amd_rejects(small, block_m, kernels)
+
+
+def amd_checked(target: Target) -> bool:
+    """Whether the tuner compiles each candidate for `target` with Triton's AMD backend: an AMD
+    target, and a Triton that has the backend."""
+    from triton.backends import backends
+
+    return target.vendor == "amd" and "amd" in backends
+
+
+def _amd_rejects(point: Point, block_m: int, kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels that spill or overflow the LDS when compiled for the AMD target stood in for
+    (amd_report's reading of the AMDGCN); none where the target is not AMD."""
+    from .amd_report import compiled
+    from .offline import absent_gpu, fresh_device
+
+    target = current_target()
+    if not amd_checked(target):
+        return []
+    problem = Problem(point, 1, random=False, platform=Platform("cuda", "amd", target.arch))
+    rejects = []
+    for kind, cfg in kernels:
+        device = fresh_device()
+        try:
+            with absent_gpu("hip", target.arch, device):
+                gate_up, down = problem.runners(block_m)
+                (gate_up if kind == "gate_up" else down)(cfg)
+        except Exception:  # the target cannot compile it: not a candidate either
+            rejects.append((kind, cfg))
+            continue
+        if any(r.problems(target) for r in compiled(device)):
+            rejects.append((kind, cfg))
+    return rejects
 
 
 def _timed(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) -> list[tuple[KernelConfig, float]]:
@@ -569,14 +612,26 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(kernels) for _, _, kernels in tasks)
     print(f"tuning {len(points)} points for {target.describe()}: {total} kernels to compile with {args.jobs} "
           "processes", flush=True)
+    if amd_checked(target):
+        print(f"  each also compiled for {target.arch} with Triton's AMD backend: those that spill or overflow "
+              "its LDS are not timed", flush=True)
+    elif target.vendor == "amd":
+        print(f"  this Triton has no AMD backend: nothing is compiled for {target.arch}; make amd-report checks "
+              "the entries", flush=True)
     started = time.time()
     failed = 0
+    rejected: set[tuple[str, int, int, Kernel]] = set()
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done, failures in enumerate(pool.map(_compile, tasks), 1):
+        results = zip(tasks, pool.map(_compile, tasks), strict=True)
+        for done, ((point, block_m, _), (failures, rejects)) in enumerate(results, 1):
             failed += failures
+            rejected |= {(point.name, point.tokens, block_m, k) for k in rejects}
             if done % 10 == 0 or done == len(tasks):
-                print(f"  compiled {done}/{len(tasks)} tasks ({failed} kernels failed) "
-                      f"[{time.time() - started:.0f}s]", flush=True)
+                print(f"  compiled {done}/{len(tasks)} tasks ({failed} kernels failed"
+                      + (f", {len(rejected)} left out for {target.arch}" if amd_checked(target) else "")
+                      + f") [{time.time() - started:.0f}s]", flush=True)
+    plan = [(p, [_without(c, {k for name, m, b, k in rejected if (name, m, b) == (p.name, p.tokens, c.block_m)})
+                 for c in cands]) for p, cands in plan]
     table: dict[str, Any] = read_file(out) if out.exists() else {}
     for n, (point, cands) in enumerate(plan, 1):
         config, seconds, kinds = tune_point(point, cands, target)
