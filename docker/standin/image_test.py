@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -29,12 +30,24 @@ import sys
 import tempfile
 import time
 import tomllib
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from standin import ATTEMPTS, BUILDAH_RUN, ROOT, RUNTIME_HICCUP, Failure, buildah, ensure, vllm_requirement
+
+
+def _proctree() -> types.ModuleType:
+    """The package's own /proc walk, loaded by its path: this script runs without the package."""
+    spec = importlib.util.spec_from_file_location("proctree", ROOT / "overlay" / "serving" / "proctree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+descendants = _proctree().descendants
 
 DOCKERFILE = "docker/Dockerfile"
 IGNOREFILE = "docker/Dockerfile.dockerignore"  # `docker build -f docker/Dockerfile` reads it; buildah needs telling
@@ -167,24 +180,6 @@ def http(port: int, path: str, body: dict | None = None, timeout: float = 120) -
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
-
-
-def descendants(pid: int) -> list[int]:
-    """The process's descendants, parents before children (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
 
 
 def command_of(pid: int) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .config import API_KEY_ENV
+from .proctree import descendants
 
 MAX_CLIENTS = 256
 MAX_REQUESTS = 10_000
@@ -151,23 +152,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def tree_rss_mib(pid: int) -> float | None:
     """Resident memory of a process and all its descendants (Linux /proc), MiB."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    total_kib, todo = 0, [pid]
-    while todo:
-        current = todo.pop()
+    total_kib = 0
+    for current in [pid, *descendants(pid)]:
         try:
             status = (Path("/proc") / str(current) / "status").read_text()
         except OSError:
             continue
         total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        todo += children.get(current, [])
     return total_kib / 1024 if total_kib else None
 
 
