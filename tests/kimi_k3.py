@@ -46,14 +46,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg, prefix: str = PREFIX) -> dict[str, torch.Tensor]:
     """Kimi-K3's MoE block in fp32: the routed latent sum (scaled), its up projection, the shared
     experts' output and the chosen experts. The activation is the config's: SiTU(beta, linear
-    beta), or SiLU(gate) * up for `hidden_act: silu`."""
+    beta), or SiLU(gate) * up for `hidden_act: silu`. `prefix`: the block's checkpoint names."""
     def w(name: str) -> torch.Tensor:
-        if f"{PREFIX}.{name}.weight_packed" in ckpt:
-            return dequant_mxfp4(ckpt[f"{PREFIX}.{name}.weight_packed"], ckpt[f"{PREFIX}.{name}.weight_scale"])
-        return ckpt[f"{PREFIX}.{name}.weight"].float()
+        if f"{prefix}.{name}.weight_packed" in ckpt:
+            return dequant_mxfp4(ckpt[f"{prefix}.{name}.weight_packed"], ckpt[f"{prefix}.{name}.weight_scale"])
+        return ckpt[f"{prefix}.{name}.weight"].float()
 
     def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if cfg.hidden_act == "silu":
@@ -61,7 +61,7 @@ def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg) -> dict[str, 
         return situ(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     scores = torch.sigmoid(x @ w("gate").T)
-    chosen = (scores + ckpt[f"{PREFIX}.gate.e_score_correction_bias"]).topk(cfg.num_experts_per_token).indices
+    chosen = (scores + ckpt[f"{prefix}.gate.e_score_correction_bias"]).topk(cfg.num_experts_per_token).indices
     weights = scores.gather(1, chosen)  # the bias picks experts, the unbiased scores weigh them
     weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor
     latent = x @ w("routed_expert_down_proj").T
@@ -70,7 +70,7 @@ def reference(x: torch.Tensor, ckpt: dict[str, torch.Tensor], cfg) -> dict[str, 
         for e, weight in zip(chosen[t].tolist(), weights[t], strict=True):
             hidden = act(latent[t] @ w(f"experts.{e}.w1").T, latent[t] @ w(f"experts.{e}.w3").T)
             routed[t] += weight * (hidden @ w(f"experts.{e}.w2").T)
-    up = rms_norm(routed, ckpt[f"{PREFIX}.routed_expert_norm.weight"], cfg.rms_norm_eps) @ w("routed_expert_up_proj").T
+    up = rms_norm(routed, ckpt[f"{prefix}.routed_expert_norm.weight"], cfg.rms_norm_eps) @ w("routed_expert_up_proj").T
     shared = act(x @ w("shared_experts.gate_proj").T, x @ w("shared_experts.up_proj").T)
     return {"routed": routed, "up": up, "shared": shared @ w("shared_experts.down_proj").T, "chosen": chosen}
 

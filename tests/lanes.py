@@ -24,7 +24,7 @@ MOE_METHODS = {
     # Kimi-K3's compressed-tensors mxfp4, rewritten by vLLM to quant_method mxfp4 for its architecture
     "kimi-k3-mi300x-2node-ep16": "Mxfp4MoEMethod", "kimi-k3-mi325x-tp8": "Mxfp4MoEMethod",
     "kimi-k3-mi355x-tp8": "Mxfp4MoEMethod", "kimi-k3-mi355x-tp8-mtp": "Mxfp4MoEMethod",
-    "tiny-kimi-k3": "Mxfp4MoEMethod",
+    "tiny-kimi-k3": "Mxfp4MoEMethod", "tiny-kimi-k3-mtp": "Mxfp4MoEMethod",
     "llama4-maverick-fp8-mi300x-tp8": "CompressedTensorsW8A8Fp8MoEMethod",
     "tiny-llama4-maverick-fp8": "CompressedTensorsW8A8Fp8MoEMethod",
     "mixtral-8x7b-instruct-fp8-mi300x": "Fp8PerTensorOnlineMoEMethod",  # quantization: fp8 on bf16 weights
@@ -36,8 +36,9 @@ MOE_METHODS = {
 DRAFTS = {
     **dict.fromkeys(("deepseek-v3-mi300x-tp8-mtp", "tiny-deepseek-v3-mtp"),
                     "method mtp drafts with DeepSeekMTPModel, the overlay's (MoE layers on the adapter)"),
-    # the Kimi-K3 twin has no MTP layers (its hub checkpoint's are not known here)
-    "kimi-k3-mi355x-tp8-mtp": "not checked: the twin tiny-kimi-k3 has no MTP layers to stand in for its draft",
+    # the hub checkpoint stood in for by tiny-kimi-k3, whose one MTP layer is the draft's
+    **dict.fromkeys(("kimi-k3-mi355x-tp8-mtp", "tiny-kimi-k3-mtp"),
+                    "method mtp drafts with KimiK3MTPModel, the overlay's (MoE layers on the adapter)"),
 }
 
 

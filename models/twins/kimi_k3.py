@@ -11,6 +11,16 @@ routed experts are packed (`experts.E.w1|w2|w3.weight_packed`: e2m1 nibbles, low
 column; `.weight_scale`: e8m0 per 32 columns); the latent projections, shared experts, gate,
 attention and dense MLP are dense `.weight`. The vision tower's weights are not written: serve
 it text-only.
+
+After the last decoder layer comes one multi-token-prediction (MTP) layer, the draft of vLLM's
+speculative method `mtp` (`KimiK3MTPModel`; the main model's loader skips its weights), named as
+upstream's draft loader reads it: a decoder layer at index `num_hidden_layers` (gated NoPE MLA, as
+the draft picks for an index outside `kda_layers`, and the same latent MoE with packed routed
+experts) without the main layers' attention-residual weights, which the draft does not build, plus
+`enorm`, `hnorm`, `eh_proj` and `shared_head.norm`, with copies of the embedding and of lm_head as
+`embed_tokens` and `shared_head.head`. Its tensors are drawn after every other, so the rest of the
+checkpoint is the same with or without it. Whether the published checkpoint carries MTP layers is
+not known here (README's support matrix).
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ class TinyKimiK3Recipe(Recipe):
     activation_situ_linear_beta: float = 25.0
     num_hidden_layers: int = 4
     first_k_dense_replace: int = 1
+    num_nextn_predict_layers: int = 1  # one MTP layer (MoE, MLA) after the last, the `mtp` draft
     full_attn_layers: tuple[int, ...] = (4,)  # 1-based, as the config has them; the others are KDA
     num_attention_heads: int = 2
     q_lora_rank: int = 64
@@ -125,7 +136,7 @@ class TinyKimiK3Recipe(Recipe):
             "mla_use_nope": True,
             "mla_use_output_gate": True,
             "attn_res_block_size": self.attn_res_block_size,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
             "linear_attn_config": {
                 "kda_layers": [n for n in layers if n not in self.full_attn_layers],
                 "full_attn_layers": list(self.full_attn_layers),
@@ -180,37 +191,63 @@ class TinyKimiK3Recipe(Recipe):
             "language_model.model.output_attn_res_norm.weight": norm(h),
             "language_model.model.output_attn_res_proj.weight": rand(1, h),
         }
-        for i in range(self.num_hidden_layers):
+
+        def decoder_layer(i: int, attn_res: bool = True) -> dict[str, torch.Tensor]:
             p = f"language_model.model.layers.{i}."
-            for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
-                out[f"{p}{name}.weight"] = norm(h)
-            out[f"{p}self_attention_res_proj.weight"] = rand(1, h)
-            out[f"{p}mlp_res_proj.weight"] = rand(1, h)
-            attn = self._mla(rand, norm) if i + 1 in self.full_attn_layers else self._kda(rand, norm)
-            out.update({f"{p}self_attn.{k}": v for k, v in attn.items()})
+            layer: dict[str, torch.Tensor] = {}
+            norms = ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm")
+            for name in norms if attn_res else norms[:2]:
+                layer[f"{p}{name}.weight"] = norm(h)
+            if attn_res:
+                layer[f"{p}self_attention_res_proj.weight"] = rand(1, h)
+                layer[f"{p}mlp_res_proj.weight"] = rand(1, h)
+            attn = self._mla(rand, norm) if not self.is_kda_layer(i) else self._kda(rand, norm)
+            layer.update({f"{p}self_attn.{k}": v for k, v in attn.items()})
             if i < self.first_k_dense_replace:
-                out[f"{p}mlp.gate_proj.weight"] = rand(self.intermediate_size, h)
-                out[f"{p}mlp.up_proj.weight"] = rand(self.intermediate_size, h)
-                out[f"{p}mlp.down_proj.weight"] = rand(h, self.intermediate_size)
-                continue
+                layer[f"{p}mlp.gate_proj.weight"] = rand(self.intermediate_size, h)
+                layer[f"{p}mlp.up_proj.weight"] = rand(self.intermediate_size, h)
+                layer[f"{p}mlp.down_proj.weight"] = rand(h, self.intermediate_size)
+                return layer
             m = f"{p}block_sparse_moe."
             shared = moe_i * self.num_shared_experts
-            out[f"{m}gate.weight"] = rand(self.num_experts, h)
-            out[f"{m}gate.e_score_correction_bias"] = rand(self.num_experts, std=0.1)
-            out[f"{m}shared_experts.gate_proj.weight"] = rand(shared, h)
-            out[f"{m}shared_experts.up_proj.weight"] = rand(shared, h)
-            out[f"{m}shared_experts.down_proj.weight"] = rand(h, shared)
-            out[f"{m}routed_expert_down_proj.weight"] = rand(lat, h, std=1.0 / h**0.5)
-            out[f"{m}routed_expert_norm.weight"] = norm(lat)
-            out[f"{m}routed_expert_up_proj.weight"] = rand(h, lat)
+            layer[f"{m}gate.weight"] = rand(self.num_experts, h)
+            layer[f"{m}gate.e_score_correction_bias"] = rand(self.num_experts, std=0.1)
+            layer[f"{m}shared_experts.gate_proj.weight"] = rand(shared, h)
+            layer[f"{m}shared_experts.up_proj.weight"] = rand(shared, h)
+            layer[f"{m}shared_experts.down_proj.weight"] = rand(h, shared)
+            layer[f"{m}routed_expert_down_proj.weight"] = rand(lat, h, std=1.0 / h**0.5)
+            layer[f"{m}routed_expert_norm.weight"] = norm(lat)
+            layer[f"{m}routed_expert_up_proj.weight"] = rand(h, lat)
             for w, full in (("w1", rand(self.num_experts, moe_i, lat, std=0.5)),
                             ("w3", rand(self.num_experts, moe_i, lat, std=0.5)),
                             ("w2", rand(self.num_experts, lat, moe_i, std=0.5))):
                 packed, scale = quantize_mxfp4(full)
                 for e in range(self.num_experts):
-                    out[f"{m}experts.{e}.{w}.weight_packed"] = packed[e]
-                    out[f"{m}experts.{e}.{w}.weight_scale"] = scale[e]
+                    layer[f"{m}experts.{e}.{w}.weight_packed"] = packed[e]
+                    layer[f"{m}experts.{e}.{w}.weight_scale"] = scale[e]
+            return layer
+
+        for i in range(self.num_hidden_layers):
+            out |= decoder_layer(i)
+        # The MTP layers, drawn last: the decoder layer the draft builds (no attention residuals) and
+        # what joins the token's embedding to the target's hidden state, with the shared embedding and head.
+        for i in self.mtp_layers():
+            p = f"language_model.model.layers.{i}."
+            out |= decoder_layer(i, attn_res=False) | {
+                f"{p}embed_tokens.weight": out["language_model.model.embed_tokens.weight"].clone(),
+                f"{p}enorm.weight": norm(h), f"{p}hnorm.weight": norm(h),
+                f"{p}eh_proj.weight": rand(h, 2 * h),
+                f"{p}shared_head.norm.weight": norm(h),
+                f"{p}shared_head.head.weight": out["language_model.lm_head.weight"].clone(),
+            }
         return out
+
+    def is_kda_layer(self, i: int) -> bool:
+        """As upstream's KimiLinearConfig.is_kda_layer: 0-based `i`, 1-based lists; MTP layers are MLA."""
+        return i < self.num_hidden_layers and i + 1 not in self.full_attn_layers
+
+    def mtp_layers(self) -> range:
+        return range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers)
 
     def _kda(self, rand, norm) -> dict[str, torch.Tensor]:
         import torch
@@ -248,7 +285,8 @@ class TinyKimiK3Recipe(Recipe):
         (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=1))
         moe_layers = self.num_hidden_layers - self.first_k_dense_replace
         return (f"{n_params / 1e6:.2f} M stored values, {moe_layers} latent MoE layers of {self.num_experts} "
-                f"mxfp4 experts (top-{self.num_experts_per_token}, {self.num_shared_experts} shared)")
+                f"mxfp4 experts (top-{self.num_experts_per_token}, {self.num_shared_experts} shared), "
+                f"{self.num_nextn_predict_layers} MTP layer(s) after them")
 
 
 register("tiny-kimi-k3", TinyKimiK3Recipe())
