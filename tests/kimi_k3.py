@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors.torch import load_file
+from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.models.kimi_k3.amd import linear as amd
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 
+from moe_overlay.models import moe_layer
+from moe_overlay.models.moe_layer import OverlayRoutedExperts
 from moe_overlay.models.tiny import build
 
 LAYER = 1  # layer 0 is dense (first_k_dense_replace 1)
@@ -124,3 +130,21 @@ def load_block(block: torch.nn.Module, config, ckpt: dict[str, torch.Tensor], mo
     process_weights_after_loading(model, SimpleNamespace(word_embeddings_untied_by_checkpoint=False, quantization=None),
                                   torch.device("cpu"))
     return SimpleNamespace(loaded=loaded, params=params)
+
+
+@contextmanager
+def overlay_in_fp32() -> Iterator[None]:
+    """The overlay's torch backend, strict, on upstream's routed experts (what the plugin installs),
+    with no adapter scope and fp32 as the default dtype (the twin is fp32: compared without bf16
+    rounding); all undone after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOE_OVERLAY_BACKEND", "torch")
+        mp.setenv("MOE_OVERLAY_STRICT", "1")
+        mp.setattr(moe_layer, "SCOPES", [])
+        mp.setitem(op_registry_oot, "RoutedExperts", OverlayRoutedExperts)
+        torch_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(torch_dtype)

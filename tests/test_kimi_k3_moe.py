@@ -26,7 +26,6 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW4A4Mxfp4
@@ -35,9 +34,8 @@ from vllm.models.kimi_k3.nvidia.latent_moe_runner import LatentMoERunner
 from vllm.models.kimi_k3.nvidia.model import KimiMoE as NvidiaKimiMoE
 from vllm.platforms import PlatformEnum
 
-from moe_overlay.models import moe_layer
-from moe_overlay.models.moe_layer import OverlayMoEMethod, OverlayRoutedExperts, adapter_scope, describe_rows
-from tests.kimi_k3 import LAYER, PREFIX, dequant_mxfp4, load_block, quant_config, reference, twin
+from moe_overlay.models.moe_layer import OverlayMoEMethod, adapter_scope, describe_rows
+from tests.kimi_k3 import LAYER, PREFIX, dequant_mxfp4, load_block, overlay_in_fp32, quant_config, reference, twin
 from tests.vllm_layers import vllm_context
 
 # -- upstream's block, built and loaded as the model does -------------------------------------
@@ -46,22 +44,12 @@ from tests.vllm_layers import vllm_context
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     config, ckpt = twin(tmp_path_factory.mktemp("twin"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOE_OVERLAY_BACKEND", "torch")
-        mp.setenv("MOE_OVERLAY_STRICT", "1")
-        mp.setattr(moe_layer, "SCOPES", [])
-        mp.setitem(op_registry_oot, "RoutedExperts", OverlayRoutedExperts)  # what the plugin installs
-        torch_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32)  # the twin is fp32; compare without bf16 rounding
-        try:
-            with vllm_context() as vllm_config:
-                with adapter_scope("KimiLinearForCausalLM"):  # as OverlayKimiLinearForCausalLM.__init__
-                    block = KimiMoE(config, quant_config=quant_config(config), prefix=PREFIX, layer_idx=LAYER)
-                load = load_block(block, config, ckpt)
-                yield SimpleNamespace(block=block, ckpt=ckpt, config=config, vllm_config=vllm_config,
-                                      rows=describe_rows(), loaded=load.loaded, params=load.params)
-        finally:
-            torch.set_default_dtype(torch_dtype)
+    with overlay_in_fp32(), vllm_context() as vllm_config:
+        with adapter_scope("KimiLinearForCausalLM"):  # as OverlayKimiLinearForCausalLM.__init__
+            block = KimiMoE(config, quant_config=quant_config(config), prefix=PREFIX, layer_idx=LAYER)
+        load = load_block(block, config, ckpt)
+        yield SimpleNamespace(block=block, ckpt=ckpt, config=config, vllm_config=vllm_config,
+                              rows=describe_rows(), loaded=load.loaded, params=load.params)
 
 
 def run(kimi, x: torch.Tensor) -> dict[str, torch.Tensor]:

