@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -468,12 +469,13 @@ def _amd_rejects(point: Point, block_m: int, kernels: list[Kernel]) -> list[Kern
     if not amd_checked(target):
         return []
     problem = Problem(point, 1, random=False, platform=Platform("cuda", "amd", target.arch))
+    with absent_gpu("hip", target.arch, fresh_device()):  # the routing's sort, compiled once
+        gate_up, down = problem.runners(block_m)
     rejects = []
     for kind, cfg in kernels:
         device = fresh_device()
         try:
             with absent_gpu("hip", target.arch, device):
-                gate_up, down = problem.runners(block_m)
                 (gate_up if kind == "gate_up" else down)(cfg)
         except Exception:  # the target cannot compile it: not a candidate either
             rejects.append((kind, cfg))
@@ -620,18 +622,19 @@ def run(args: argparse.Namespace) -> int:
               "the entries", flush=True)
     started = time.time()
     failed = 0
-    rejected: set[tuple[str, int, int, Kernel]] = set()
+    left_out: dict[tuple[str, int, int], set[Kernel]] = defaultdict(set)  # (point, tokens, block_m): kernels
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = zip(tasks, pool.map(_compile, tasks), strict=True)
         for done, ((point, block_m, _), (failures, rejects)) in enumerate(results, 1):
             failed += failures
-            rejected |= {(point.name, point.tokens, block_m, k) for k in rejects}
+            left_out[point.name, point.tokens, block_m].update(rejects)
             if done % 10 == 0 or done == len(tasks):
+                count = sum(map(len, left_out.values()))
                 print(f"  compiled {done}/{len(tasks)} tasks ({failed} kernels failed"
-                      + (f", {len(rejected)} left out for {target.arch}" if amd_checked(target) else "")
+                      + (f", {count} left out for {target.arch}" if amd_checked(target) else "")
                       + f") [{time.time() - started:.0f}s]", flush=True)
-    plan = [(p, [_without(c, {k for name, m, b, k in rejected if (name, m, b) == (p.name, p.tokens, c.block_m)})
-                 for c in cands]) for p, cands in plan]
+    plan = [(p, [_without(c, left_out.get((p.name, p.tokens, c.block_m), set())) for c in cands])
+            for p, cands in plan]
     table: dict[str, Any] = read_file(out) if out.exists() else {}
     for n, (point, cands) in enumerate(plan, 1):
         config, seconds, kinds = tune_point(point, cands, target)
