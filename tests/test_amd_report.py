@@ -55,6 +55,9 @@ def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
     assert (r.vgprs, r.agprs, r.vgpr_spills, r.mfma_a_step, r.valu_a_step) == (250, 4, 3, 2, 1)
     assert r.waves_a_simd("gfx942") == 1  # 48 KiB: one workgroup of 4 waves a CU
     assert r.waves_a_simd("gfx950") == 2  # 160 KiB: three workgroups, but 256 registers a lane: two waves
+    # vgpr_count is VGPRs and AGPRs together (LLVM's TotalNumVgprs): 482 of a lane's 512 is one wave
+    wide = Resources.of("gate_up_kernel", GCN.replace("250", "482").replace("4\n", "226\n"), 0, 4)
+    assert (wide.vgprs, wide.agprs, wide.waves_a_simd("gfx942")) == (482, 226, 1)
     assert r.problems(AMD_TARGETS["gfx942"]) == ["3 VGPRs spilled"]
     big = Resources.of("down_kernel", GCN.replace("3\n", "0\n"), 70 * 1024, 8)
     assert big.problems(AMD_TARGETS["gfx942"]) == ["71680 bytes of LDS, over gfx942's 65536"]

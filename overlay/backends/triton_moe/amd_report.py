@@ -47,7 +47,7 @@ class Resources:
 
     kernel: str
     num_warps: int
-    vgprs: int
+    vgprs: int  # a lane's VGPRs, its AGPRs among them (the metadata's vgpr_count: LLVM's TotalNumVgprs)
     agprs: int
     vgpr_spills: int
     sgpr_spills: int
@@ -65,9 +65,10 @@ class Resources:
                    field("sgpr_spill_count"), lds, *main_loop(gcn))
 
     def waves_a_simd(self, arch: str) -> int:
-        """Waves of this kernel a SIMD holds at once: by registers (VGPRs and AGPRs share the
-        lane's 512) and by LDS (the workgroups a CU holds, their waves over its 4 SIMDs)."""
-        used = -(-(self.vgprs + self.agprs) // REGISTER_GRANULE) * REGISTER_GRANULE
+        """Waves of this kernel a SIMD holds at once: by registers (`vgprs`, the metadata's
+        vgpr_count, is VGPRs and AGPRs together, which share the lane's 512) and by LDS (the
+        workgroups a CU holds, their waves over its 4 SIMDs)."""
+        used = -(-self.vgprs // REGISTER_GRANULE) * REGISTER_GRANULE
         by_registers = min(MAX_WAVES_A_SIMD, REGISTERS_A_SIMD_LANE // max(used, 1))
         if not self.lds:
             return by_registers
@@ -149,7 +150,7 @@ def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Lau
 
 def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
     """(the report as markdown, every problem found)."""
-    lines = ["| target | layer | M | entry | kernel | warps | VGPRs | AGPRs | spills | LDS (bytes) "
+    lines = ["| target | layer | M | entry | kernel | warps | VGPRs (AGPRs too) | of them AGPRs | spills | LDS (bytes) "
              "| waves / SIMD | MFMA a K step | other VALU a K step |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     problems = []
