@@ -30,7 +30,12 @@ def test_no_launch_an_amd_target_runs_spills_or_overflows_its_lds():
                     assert any(k.startswith("gate_up") for k in kernels), (arch, name, weights, m)
                     assert any(k.startswith("down") for k in kernels), (arch, name, weights, m)
     sorted_dots = [r for r in rows if r[4] in ("gate_up_kernel", "down_kernel") and r[2] != "1"]
-    assert sorted_dots and all(int(r[11]) > 0 for r in sorted_dots)  # matrix instructions a K step
+    assert sorted_dots and all(int(r[12]) > 0 for r in sorted_dots)  # matrix instructions a K step
+    # kpack reached the compiler: gfx942's 2 (but where an entry asks 1), none on gfx950
+    kpacks = {(r[0], r[1], r[2], r[4]): r[6] for r in rows if r[4] in ("gate_up_kernel", "down_kernel")}
+    assert {k for (arch, *_), k in kpacks.items() if arch == "| gfx950"} == {"1"}
+    assert kpacks["| gfx942", "Kimi-K3 bf16", "8192", "gate_up_kernel"] == "2"
+    assert kpacks["| gfx942", "Kimi-K3 mxfp4", "8192", "gate_up_kernel"] == "1"  # configs/gfx942.json's note
 
 
 GCN = """\
@@ -51,8 +56,8 @@ GCN = """\
 
 def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
     assert main_loop(GCN) == (2, 1)  # the loop's blocks wherever laid out, marked on the label's line or the next
-    r = Resources.of("gate_up_kernel", GCN, 48 * 1024, 4)
-    assert (r.vgprs, r.agprs, r.vgpr_spills, r.mfma_a_step, r.valu_a_step) == (250, 4, 3, 2, 1)
+    r = Resources.of("gate_up_kernel", GCN, 48 * 1024, 4, kpack=2)
+    assert (r.kpack, r.vgprs, r.agprs, r.vgpr_spills, r.mfma_a_step, r.valu_a_step) == (2, 250, 4, 3, 2, 1)
     assert r.waves_a_simd("gfx942") == 1  # 48 KiB: one workgroup of 4 waves a CU
     assert r.waves_a_simd("gfx950") == 2  # 160 KiB: three workgroups, but 256 registers a lane: two waves
     # vgpr_count is VGPRs and AGPRs together (LLVM's TotalNumVgprs): 482 of a lane's 512 is one wave
@@ -66,8 +71,9 @@ def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
 
 def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
     """tune's AMD check, with an absent Hopper standing in for gfx942: Kimi-K3's mxfp4 gate/up
-    at M=8192 with 64x128 tiles on 8 warps spills registers when compiled for gfx942 and is
-    left out of the timing; its sibling stepping K by 64 on 4 warps is kept."""
+    at M=8192 with 64x128 tiles on 8 warps spills registers when compiled for gfx942 with kpack
+    1 and is left out of the timing; with gfx942's kpack 2 it fits, as does its sibling stepping
+    K by 64 on 4 warps."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -80,11 +86,12 @@ def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
     monkeypatch.setenv(TARGET_ENV, "gfx942")
     spec = with_weights(model("Kimi-K3").spec, "mxfp4")
     point = Point("Kimi-K3 mxfp4", replace(spec, num_experts=64), 8192)  # fewer experts: less memory
-    spills = KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=2)
-    fits = KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
+    fits = KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=2)
+    spills = replace(fits, kpack=1)
+    narrow = KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
     driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), fresh_device()))
     try:
-        rejects = _amd_rejects(point, 192, [("gate_up", spills), ("gate_up", fits)])
+        rejects = _amd_rejects(point, 192, [("gate_up", spills), ("gate_up", fits), ("gate_up", narrow)])
     finally:
         driver.set_active(None)
     assert rejects == [("gate_up", spills)]

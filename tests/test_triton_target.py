@@ -3,6 +3,7 @@ place (triton_moe/target.py), and an NVIDIA GPU standing in for gfx942 or gfx950
 what that target runs: its mxfp4 layout, its launch-table entries fitted to its LDS, and none
 of NVIDIA's kernels or launch features."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -117,7 +118,8 @@ def test_the_plan_says_which_kernel_runs_each_step_and_runs_nvidias_only_on_hopp
     on_amd = plan.make_plan(words, config, True, gfx942)
     assert (on_amd.gate_up.kernel, on_amd.down.kernel, on_amd.pdl) == (plan.GATE_UP, plan.DOWN_TINY, False)
     assert on_amd.describe() == ("gfx942, tiny mode (no sort): gate/up gate_up (N 64 K 64, 4 warps, 3 stages, "
-                                 "K split 4); down tiny (N 128 K 128, 4 warps, 2 stages, 16 programs a token)")
+                                 "K split 4, kpack 2); down tiny (N 128 K 128, 4 warps, 2 stages, 16 programs a "
+                                 "token)")
     if plan.gluon_kernels is not None:
         on_hopper = plan.make_plan(words, config, True, hopper)
         assert (on_hopper.gate_up.kernel, on_hopper.down.kernel, on_hopper.pdl) == (
@@ -131,6 +133,33 @@ def test_the_plan_says_which_kernel_runs_each_step_and_runs_nvidias_only_on_hopp
         p = plan.make_plan(block, sorted_config, False, t)
         assert p.gate_up.kernel == plan.GATE_UP and p.gate_up.quantise_first and p.gate_up.weight_left == left
         assert p.down.kernel == plan.RESIDENT and p.down.descriptors == desc
+
+
+def test_gfx942s_dots_ask_triton_for_kpack_2_only_where_it_compiles_for_gfx942(tmp_path):
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import plan
+
+    layer = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "bf16"), "situ")
+    entry = configs.KernelConfig(64, 64, 4, 2)
+    gfx942 = AMD_TARGETS["gfx942"]
+    steps = plan.make_plan(layer, configs.LaunchConfig(64, entry, entry), False, gfx942)
+    assert (steps.gate_up.kpack, steps.down.kpack) == (2, 2) and "kpack 2" in steps.describe()
+    assert gfx942.compile_options(steps.gate_up.kpack) == {"kpack": 2}
+    asks_one = configs.LaunchConfig(64, replace(entry, kpack=1), entry)
+    assert plan.make_plan(layer, asks_one, False, gfx942).gate_up.kpack == 1  # the entry's word over the target's
+    # a stand-in runs what gfx942 would, but its compiler has no kpack; gfx950 and NVIDIA have none either
+    assert replace(gfx942, stands_in="NVIDIA H200").compile_options(2) == {}
+    for other in (AMD_TARGETS["gfx950"], nvidia_target(90)):
+        p = plan.make_plan(layer, configs.LaunchConfig(64, replace(entry, kpack=2), entry), False, other)
+        assert (p.gate_up.kpack, other.compile_options(p.gate_up.kpack)) == (1, {})
+    with pytest.raises(ValueError, match=r"kpack must be 1 or 2 \(0: the target's\); got 4"):
+        replace(entry, kpack=4)
+    bad = tmp_path / "table.json"
+    kernel = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2, "kpack": 3}
+    bad.write_text(json.dumps({"devices": {"gfx942": {"E8-H4096-I1792-k2-bf16": {
+        "16": {"block_m": 16, "gate_up": kernel, "down": kernel}}}}}))
+    with pytest.raises(ValueError, match="entry gfx942 / E8-H4096-I1792-k2-bf16 / 16 is not valid: kpack"):
+        configs.read_file(bad)
 
 
 def _entry(block_m: int, stages: int) -> dict:

@@ -47,6 +47,7 @@ class Resources:
 
     kernel: str
     num_warps: int
+    kpack: int  # the dots' kpack it was compiled with (plan.Step.kpack; 1: none)
     vgprs: int  # a lane's VGPRs, its AGPRs among them (the metadata's vgpr_count: LLVM's TotalNumVgprs)
     agprs: int
     vgpr_spills: int
@@ -56,12 +57,12 @@ class Resources:
     valu_a_step: int  # other vector instructions there (mxfp4: the decode's among them)
 
     @classmethod
-    def of(cls, name: str, gcn: str, lds: int, num_warps: int) -> Resources:
+    def of(cls, name: str, gcn: str, lds: int, num_warps: int, kpack: int = 1) -> Resources:
         def field(key: str) -> int:
             found = re.search(rf"\.{key}:\s+(\d+)", gcn)
             return int(found.group(1)) if found else 0
 
-        return cls(name, num_warps, field("vgpr_count"), field("agpr_count"), field("vgpr_spill_count"),
+        return cls(name, num_warps, kpack, field("vgpr_count"), field("agpr_count"), field("vgpr_spill_count"),
                    field("sgpr_spill_count"), lds, *main_loop(gcn))
 
     def waves_a_simd(self, arch: str) -> int:
@@ -117,7 +118,7 @@ class Launch:
 
 def compiled(device: int) -> list[Resources]:
     """Every kernel compiled for `device` (Triton's driver stands in for it)."""
-    return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps)
+    return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps, k.metadata.kpack)
             for module in (kernels, gluon_kernels) if module is not None for name, fn in vars(module).items()
             if device in getattr(fn, "device_caches", {}) for k in fn.device_caches[device][0].values()]
 
@@ -150,9 +151,9 @@ def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Lau
 
 def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
     """(the report as markdown, every problem found)."""
-    lines = ["| target | layer | M | entry | kernel | warps | VGPRs (AGPRs too) | of them AGPRs | spills | LDS (bytes) "
-             "| waves / SIMD | MFMA a K step | other VALU a K step |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| target | layer | M | entry | kernel | warps | kpack | VGPRs (AGPRs too) | of them AGPRs | spills "
+             "| LDS (bytes) | waves / SIMD | MFMA a K step | other VALU a K step |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     problems = []
     for arch in targets:
         for weights in formats:
@@ -163,9 +164,9 @@ def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[s
                     if r.kernel.startswith(("gate_up", "down")):  # the GEMMs (the sort and sums: problems only)
                         lines.append(
                             f"| {arch} | {found.model} {weights} | {found.tokens} | "
-                            f"{'tuned' if found.tuned else 'default'} | {r.kernel} | {r.num_warps} | {r.vgprs} "
-                            f"| {r.agprs} | {r.vgpr_spills + r.sgpr_spills} | {r.lds} | {r.waves_a_simd(arch)} "
-                            f"| {r.mfma_a_step} | {r.valu_a_step} |")
+                            f"{'tuned' if found.tuned else 'default'} | {r.kernel} | {r.num_warps} | {r.kpack} "
+                            f"| {r.vgprs} | {r.agprs} | {r.vgpr_spills + r.sgpr_spills} | {r.lds} "
+                            f"| {r.waves_a_simd(arch)} | {r.mfma_a_step} | {r.valu_a_step} |")
                 problems += [f"{arch} {found.model} {weights} M={found.tokens} {r.kernel}: {p}"
                              for r in found.kernels for p in r.problems(found.target)]
     return "\n".join(lines) + "\n", problems

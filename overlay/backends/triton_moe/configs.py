@@ -59,6 +59,11 @@ class KernelConfig:
     gluon: bool = False  # gluon_kernels' (NVIDIA sm_90+): block-fp8 or mx_words gate/up (plan._gate_up_step),
     # mx_words streamed down (plan._down_step), mx_words tiny down (plan._down_step)
     resident: bool = False  # block-fp8 down with n_split, I <= RESIDENT_MAX_I: down_resident_kernel, not streamed
+    kpack: int = 0  # the dots' kpack where the target has one (gfx942: target.py), 1 or 2; 0: the target's
+
+    def __post_init__(self) -> None:
+        if self.kpack not in (0, 1, 2):
+            raise ValueError(f"kpack must be 1 or 2 (0: the target's); got {self.kpack!r}")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class Step:
     quantise_first: bool = False  # w8a8: activations quantised per row and group by a launch before it
     weight_left: bool = False  # fp8 dots with the weight tile as the left operand (wgmma's M)
     descriptors: bool = False  # weight tiles through tensor descriptors, where the weight tensor allows
+    kpack: int = 1  # the dots' kpack (target.Target.kpack), a compile option where Triton compiles for AMD
 
     def describe(self) -> str:
         c = self.config
@@ -107,7 +108,7 @@ class Step:
                  f"{c.n_split} programs a row tile" if c.n_split else "",
                  f"group {c.group_m}" if c.group_m > 1 else "",
                  "activations quantised first" * self.quantise_first, "weight-left dots" * self.weight_left,
-                 "tensor descriptors" * self.descriptors]
+                 "tensor descriptors" * self.descriptors, f"kpack {self.kpack}" if self.kpack > 1 else ""]
         return f"{self.kernel} ({', '.join([tiles, *filter(None, extra)])})"
 
 
@@ -156,6 +157,11 @@ def _weight_left(layer: Layer, cfg: KernelConfig, rows: int, target: Target) -> 
     return cfg.weight_left and layer.shape.fp8 and rows < 64 and target.hopper
 
 
+def _kpack(cfg: KernelConfig, target: Target) -> int:
+    """The `tl` dot kernels' kpack: the entry's, else the target's; 1 where the target has none."""
+    return (cfg.kpack or target.kpack) if target.kpack > 1 else 1
+
+
 def _gluon(cfg: KernelConfig, target: Target) -> bool:
     """The entry asks for Gluon with the kernels' one warpgroup (4 warps), on Hopper with a
     Triton that has Gluon's Hopper calls."""
@@ -175,7 +181,7 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
             return Step(GLUON_BLOCK_FP8, cfg, quantise_first=True)
     tile_m, tile_m2 = row_tiles(config.block_m)
     return Step(GATE_UP, cfg, quantise_first=first, weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
-                descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper)
+                descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target))
 
 
 def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:
@@ -192,7 +198,8 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
         return Step(GLUON_MX, cfg)
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
                 weight_left=_weight_left(layer, cfg, down_tile(config.block_m), target),
-                descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.pack == 1))
+                descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.pack == 1),
+                kpack=_kpack(cfg, target))
 
 
 def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:

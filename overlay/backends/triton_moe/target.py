@@ -40,6 +40,7 @@ class Target:
     stands_in: str = ""  # the GPU that runs this target's kernels in target mode (its name), else ""
     stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
+    kpack: int = 1  # dots' operands read kpack times as much K a lane from LDS (Triton's AMD `kpack`; gfx942 only)
 
     @property
     def tile_bytes(self) -> int:
@@ -52,6 +53,11 @@ class Target:
         copy every stage straight into shared memory (seen in the compiled kernels' LDS:
         `make amd-report`)."""
         return max(1, num_stages - self.stages_in_registers)
+
+    def compile_options(self, kpack: int) -> dict[str, int]:
+        """Triton compile options of a dot kernel run with `kpack` (plan.Step.kpack): only where
+        Triton compiles for the AMD target itself; a stand-in's compiler has no such option."""
+        return {"kpack": kpack} if kpack > 1 and self.vendor == "amd" and not self.stands_in else {}
 
     @property
     def table_keys(self) -> tuple[str, ...]:
@@ -69,9 +75,12 @@ class Target:
 
 # AMD Instinct targets: 64 KiB of LDS a workgroup on gfx942, 160 KiB on gfx950; kernels took up
 # to 2 KiB beyond their tiles there (make amd-report, Triton 3.9), so 4 KiB are kept aside.
+# gfx942's dots read their operands with kpack 2 (16 bytes a lane, ds_read_b128), as vLLM's
+# MI300X fused-MoE entries do: fewer VGPRs and vector instructions in most of the shipped
+# launches (docs/performance.md); gfx950's Triton ignores kpack.
 AMD_SCRATCH = 4096
 AMD_TARGETS = {
-    "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH),
+    "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH, kpack=2),
     "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH),
 }
 INTERPRETER = Target("interpreter", "cpu", 0, 32)
