@@ -31,11 +31,10 @@ def test_no_launch_an_amd_target_runs_spills_or_overflows_its_lds():
                     assert any(k.startswith("down") for k in kernels), (arch, name, weights, m)
     sorted_dots = [r for r in rows if r[4] in ("gate_up_kernel", "down_kernel") and r[2] != "1"]
     assert sorted_dots and all(int(r[12]) > 0 for r in sorted_dots)  # matrix instructions a K step
-    # kpack reached the compiler: gfx942's 2 (but where an entry asks 1), none on gfx950
+    # kpack reached the compiler: gfx942's 2, none on gfx950
     kpacks = {(r[0], r[1], r[2], r[4]): r[6] for r in rows if r[4] in ("gate_up_kernel", "down_kernel")}
     assert {k for (arch, *_), k in kpacks.items() if arch == "| gfx950"} == {"1"}
-    assert kpacks["| gfx942", "Kimi-K3 bf16", "8192", "gate_up_kernel"] == "2"
-    assert kpacks["| gfx942", "Kimi-K3 mxfp4", "8192", "gate_up_kernel"] == "1"  # configs/gfx942.json's note
+    assert {k for (arch, *_), k in kpacks.items() if arch == "| gfx942"} == {"2"}
 
 
 GCN = """\

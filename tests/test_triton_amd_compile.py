@@ -47,6 +47,7 @@ MATRIX = {
     ("gfx950", "mxfp4"): [r"v_mfma_f32_\w+_bf16", r"v_cvt_scalef32_pk_bf16_fp4"],
 }
 DOT_KERNELS = ("gate_up_kernel", "down_kernel", "down_resident_kernel")  # tl.dot; the rest: none
+DECODED = "1024 tokens, mxfp4 decoded a program"  # kernels._mx_dequant: bf16 MFMA, no fp4 conversion instruction
 
 
 def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> dict[str, tuple[int, LaunchConfig]]:
@@ -71,6 +72,9 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
             tiny, down=dataclasses.replace(tiny.down, block_k=256)))
     if layer.shape.interleaved:
         runs["96 tokens, two row tiles"] = (96, dataclasses.replace(general, block_m=48))
+    if weights == "mxfp4":  # the packed tiles decoded to bf16 once a program, for plain dots
+        runs[DECODED] = (1024, dataclasses.replace(wide, gate_up=dataclasses.replace(wide.gate_up, mx_dequant=True),
+                                                   down=dataclasses.replace(wide.down, mx_dequant=True)))
     if weights == "fp8-block":  # the resident down an H200 entry may ask for
         runs["64 tokens, resident down"] = (64, dataclasses.replace(
             general, down=dataclasses.replace(general.down, n_split=2, resident=True)))
@@ -139,5 +143,5 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
             kernel = key.split()[0]
             assert shared <= AMD_TARGETS[arch].shared_bytes, f"{arch} {weights} {launch_name}: {kernel}: {shared} B"
             if kernel in DOT_KERNELS:
-                for pattern in expected:
-                    assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel}"
+                for pattern in MATRIX[(arch, "bf16")] if launch_name == DECODED else expected:
+                    assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel} ({launch_name})"

@@ -143,6 +143,30 @@ def test_mxfp4_reads_the_packed_weights_and_every_scale():
     torch.testing.assert_close(prepared.apply(x, w, ids), out)
 
 
+@needs_device
+@pytest.mark.parametrize("spec, m, block_m, n_split", [(MXFP4_SMALL[0], 40, 32, 0), (MXFP4_SMALL[1], 150, 48, 2)],
+                         ids=["odd-k-tiled", "situ-three-tiles-streamed"])
+def test_mxfp4_decoded_a_program_matches_the_scaled_dot(spec, m, block_m, n_split, tmp_path, monkeypatch):
+    """The same sorted entry with and without `mx_dequant` (each program decodes its packed
+    weight tiles to 16 bits for a plain dot, where the layout is packed bytes; words ignore
+    it): both GEMMs take it (the down tiled, or streamed over N tiles), outputs within fp32
+    rounding of each other, and the reference's within mxfp4's error."""
+    if _target().mx_words:
+        pytest.skip("mxfp4 runs as words on this target: mx_dequant is for packed bytes")
+    kernel = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 2}
+    outs = []
+    for use in (False, True):
+        entry = {"block_m": block_m, "gate_up": {**kernel, "mx_dequant": use},
+                 "down": {**kernel, "n_split": n_split, "mx_dequant": use}}
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
+        (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
+        steps = _plan(spec, m)
+        assert (steps.gate_up.mx_dequant, steps.down.mx_dequant) == (use, use)
+        outs.append(_check(spec, m, tol=1e-2)[1])
+    assert relative_error(outs[1], outs[0]) < 1e-3
+
+
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over

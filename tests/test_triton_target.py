@@ -105,6 +105,12 @@ def test_the_tuner_offers_a_stand_in_only_what_its_target_runs():
             assert not any(k.gluon or k.weight_left or k.descriptors or k.pdl for k in amd), (weights, tokens)
             assert {k.num_stages for k in amd} <= {1, 2, 3}
             assert any(k.gluon or k.weight_left or k.descriptors for k in nvidia) == (weights != "bf16")
+            # mxfp4's decode a program: for the AMD targets' packed bytes, from blocks of 64 rows
+            dequant = {c.block_m for c in candidates(point, gfx942) for k in c.gate_up + c.down if k.mx_dequant}
+            assert dequant == ({b for b in (64, 128, 192) if tokens == 8192} if weights == "mxfp4" else set())
+            assert not any(k.mx_dequant for k in nvidia)  # words
+            gfx950 = replace(AMD_TARGETS["gfx950"], stands_in="NVIDIA H200")  # its fp4 conversions decode
+            assert not any(k.mx_dequant for c in candidates(point, gfx950) for k in c.gate_up + c.down)
 
 
 def test_the_plan_says_which_kernel_runs_each_step_and_runs_nvidias_only_on_hopper():
@@ -152,6 +158,14 @@ def test_gfx942s_dots_ask_triton_for_kpack_2_only_where_it_compiles_for_gfx942(t
     for other in (AMD_TARGETS["gfx950"], nvidia_target(90)):
         p = plan.make_plan(layer, configs.LaunchConfig(64, replace(entry, kpack=2), entry), False, other)
         assert (p.gate_up.kpack, other.compile_options(p.gate_up.kpack)) == (1, {})
+    # mxfp4's decode a program, where the entry asks, for packed bytes only (words decode their own way)
+    mx = configs.LaunchConfig(64, replace(entry, mx_dequant=True), replace(entry, mx_dequant=True, n_split=2))
+    packed = plan.make_plan(plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ"), mx, False, gfx942)
+    assert (packed.gate_up.mx_dequant, packed.down.kernel, packed.down.mx_dequant) == (True, plan.STREAMED, True)
+    assert "weights decoded to bf16 a program" in packed.describe()
+    words = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ", mx_words=True)
+    assert not plan.make_plan(words, mx, False, gfx942).gate_up.mx_dequant
+    assert not plan.make_plan(layer, mx, False, gfx942).gate_up.mx_dequant  # bf16: nothing to decode
     with pytest.raises(ValueError, match=r"kpack must be 1 or 2 \(0: the target's\); got 4"):
         replace(entry, kpack=4)
     bad = tmp_path / "table.json"

@@ -30,6 +30,8 @@ USER_FILES_ENV = "MOE_OVERLAY_TRITON_CONFIGS"
 TINY_ROUTES = 16  # at most this many routes: no sort, one program per expert (kernels.py)
 MIN_TILE_M = 16  # a dot's least M
 MX_MIN_K = 64  # mxfp4 K steps: two 32-wide scale groups at least (a scaled dot of 32 bytes of packed K)
+MX_DEQUANT_BLOCK_M = 64  # the tuner offers mxfp4's decode a program (mx_dequant) from blocks of this many rows,
+# where tl.dot_scaled decodes in plain instructions (not gfx950's fp4 conversions: more VALU there, make amd-report)
 GLUON_BLOCK_M = 64  # gluon_kernels' block-fp8 gate/up: one warpgroup's wgmma rows a block
 GLUON_MX_BLOCK_MS = (16, 32, 64)  # gluon_kernels' mx_words gate/up: its blocks (the wgmma's N)
 TINY_DOWN_COLUMNS = 8  # gluon_kernels' one-token mx_words down: its wgmma's N, a column a route of a program
@@ -60,6 +62,8 @@ class KernelConfig:
     # mx_words streamed down (plan._down_step), mx_words tiny down (plan._down_step)
     resident: bool = False  # block-fp8 down with n_split, I <= RESIDENT_MAX_I: down_resident_kernel, not streamed
     kpack: int = 0  # the dots' kpack where the target has one (gfx942: target.py), 1 or 2; 0: the target's
+    mx_dequant: bool = False  # mxfp4 packed bytes, sorted gate/up and tiled or streamed down: the program decodes
+    # each weight tile to bf16 once for a plain dot (kernels._mx_dequant), not in tl.dot_scaled's per-warp decode
 
     def __post_init__(self) -> None:
         if self.kpack not in (0, 1, 2):

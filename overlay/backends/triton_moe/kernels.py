@@ -264,16 +264,19 @@ def _row_limit(num_rows, limit_ptr, LIMITED: tl.constexpr):
 
 @triton.jit
 def _mma_step(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr, ONE_SCALE: tl.constexpr,
-              MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr):
+              MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr, MX_DEQUANT: tl.constexpr):
     """acc += a @ b, rescaled for w8a8 (`a` already quantised when fp8); mxfp4: `b` is packed
     `[BLOCK_K / 2, N]` with e8m0 `b_scale` `[N, BLOCK_K / 32]`, multiplied by 16-bit `a`
-    (A_FMT, bf16 or fp16), or (MX_WORDS) the bf16 `[N, BLOCK_K]` tile _mx_decode made of the
-    words, multiplied weight first, so that it is wgmma's register operand (what Triton does
-    for tl.dot_scaled). `b_scale` is _step_scales'."""
+    (A_FMT, bf16 or fp16) in a scaled dot, or (MX_DEQUANT) decoded first by _mx_dequant into
+    a 16-bit tile for a plain dot; or (MX_WORDS) the bf16 `[N, BLOCK_K]` tile _mx_decode made
+    of the words, multiplied weight first, so that it is wgmma's register operand (what Triton
+    does for tl.dot_scaled). `b_scale` is _step_scales'."""
     if W_QUANT == W_NONE:
         acc = tl.dot(a, b, acc)
     elif W_QUANT == W_MXFP4 and MX_WORDS:
         acc = tl.trans(tl.dot(b, tl.trans(a), tl.trans(acc)))
+    elif W_QUANT == W_MXFP4 and MX_DEQUANT:
+        acc = tl.dot(a, _mx_dequant(b, b_scale).to(a.dtype), acc)
     elif W_QUANT == W_MXFP4:  # one return: Triton 3.6 compiles what follows a constexpr branch's return
         acc = tl.dot_scaled(a, None, A_FMT, b, b_scale, "e2m1", acc, fast_math=True)
     elif W_QUANT == W_BLOCK and ONE_SCALE:  # a scale per row this K step: one multiply-add per element
@@ -332,11 +335,37 @@ def _mx_products(packed, a_even, a_odd):
     mantissa (exponent 0, the codes 0 and 0.5, lands on fp16's subnormals, which convert to
     fp32 exactly): the byte copied 12 bits up puts the high code at bit 16, then two shifts
     and two masks place both; each half converts to fp32 as is."""
+    low, high = _mx_small_halves(packed)
+    return low * a_even + high * a_odd
+
+
+@triton.jit
+def _mx_small_halves(packed):
+    """Packed e2m1 pairs (uint8) -> the low and the high codes as fp32 values times
+    2^-E2M1_SMALL_EXP (_mx_products tells how)."""
     spread = packed.to(tl.int32) * 0x1001
     bits = ((spread << 9) & 0x0E000E00) | ((spread << 12) & -0x7FFF8000)  # 0x80008000
     low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return low * a_even + high * a_odd
+    return low, high
+
+
+@triton.jit
+def _mx_dequant(packed, scales):
+    """A packed `[K / 2, N]` e2m1 tile and its e8m0 `scales` `[N, K / 32]` -> bf16 `[K, N]`,
+    decoded once by the whole program (tl.dot_scaled's decode runs in the dot operand's layout:
+    warps that split a block's rows each decode the whole tile again). Both codes of a byte as
+    _mx_small_halves' fp32 values, times their scale and 2^E2M1_SMALL_EXP (exact: a power of
+    two), cut to bf16 by dropping the low 16 bits (exact: e2m1 times a power of two has two
+    significant bits)."""
+    low, high = _mx_small_halves(packed)
+    half_k: tl.constexpr = packed.shape[0]
+    n: tl.constexpr = packed.shape[1]
+    groups: tl.constexpr = scales.shape[1]
+    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), [2 * half_k, n])  # K = 2j + (0 low, 1 high)
+    scale = tl.trans(_e8m0_to_f32(scales.to(tl.int32) + E2M1_SMALL_EXP))
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [groups, MX_GROUP, n]), [2 * half_k, n])
+    return ((values * scale).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -503,8 +532,8 @@ def _split_gate_up(acc, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_base, rows, rows2, offs_n, n_ok,
                   k_first, k_last, inter, hidden, stride_wn, stride_sn, W_QUANT: tl.constexpr, FP8: tl.constexpr,
                   FP8_MAX: tl.constexpr, A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr,
-                  MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, TILE_M: tl.constexpr,
-                  TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  MX_WORDS: tl.constexpr, MX_DEQUANT: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr,
+                  TILE_M: tl.constexpr, TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Main loop over canonical weights (gate rows, then up rows; fp8 and mxfp4 keep this
     layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
     scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K), or of
@@ -543,13 +572,16 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
         if MX_WORDS:
             gate = _mx_decode(gate, gate_scale)
             up = _mx_decode(up, up_scale)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
+        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                             MX_DEQUANT)
+        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
         if TILE_M2 > 0:
             a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
             a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
-            gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
-            up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
+            gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                              MX_DEQUANT)
+            up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                            MX_DEQUANT)
             a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // PACK
@@ -576,8 +608,8 @@ def gate_up_kernel(
     TINY: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr,
     ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_FP8: tl.constexpr,
-    A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
+    A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, MX_DEQUANT: tl.constexpr, ONE_SCALE: tl.constexpr,
+    W_LEFT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, TILE_M2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """out[row, n] = act(x[t] @ gate[e]^T, x[t] @ up[e]^T) for a block of rows and BLOCK_N
@@ -623,7 +655,7 @@ def gate_up_kernel(
         acc_gate, acc_up, gate2, up2 = _gate_up_pair(
             a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_expert, scale_base, rows, rows2, offs_n, n_ok, k_first,
             k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8, A_FMT, PACK, MX_WORDS,
-            ONE_SCALE, W_LEFT, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
+            MX_DEQUANT, ONE_SCALE, W_LEFT, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
     if TILE_M2 > 0:
         _gate_up_store(gate2, up2, routes2, rows2, buffer_rows2, offs_n, n_ok, scale_base, topk_weights_ptr,
                        out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
@@ -824,9 +856,9 @@ def down_kernel(
     num_blocks_m, num_experts, hidden, inter,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, W_DESC: tl.constexpr,
-    ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, MX_DEQUANT: tl.constexpr,
+    W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
@@ -881,7 +913,7 @@ def down_kernel(
         w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE, MX_WORDS)
         if MX_WORDS:
             w = _mx_decode(w, w_scale)
-        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT)
+        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
         if k == k_steps - 1:
             acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
             tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
@@ -997,7 +1029,7 @@ def _resident_fp8_step(acc, a, a_scale, desc, w_cols, w_row, offs_n, n_ok, scale
     """acc += K step `k` of a block-fp8 resident tile, rescaled (_step_scales, _mma_step)."""
     w = _resident_w(desc, w_cols, w_row, n_ok, inter, k * SCALE_BLOCK, SCALE_BLOCK, W_DESC)
     w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_BLOCK, SCALE_BLOCK, ONE_SCALE, False)
-    return _mma_step(acc, a, a_scale, w, w_scale, W_BLOCK, "bf16", ONE_SCALE, False, W_LEFT)
+    return _mma_step(acc, a, a_scale, w, w_scale, W_BLOCK, "bf16", ONE_SCALE, False, W_LEFT, False)
 
 
 @triton.jit

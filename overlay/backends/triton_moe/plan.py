@@ -99,6 +99,7 @@ class Step:
     weight_left: bool = False  # fp8 dots with the weight tile as the left operand (wgmma's M)
     descriptors: bool = False  # weight tiles through tensor descriptors, where the weight tensor allows
     kpack: int = 1  # the dots' kpack (target.Target.kpack), a compile option where Triton compiles for AMD
+    mx_dequant: bool = False  # mxfp4 packed bytes decoded to bf16 once a program (KernelConfig.mx_dequant)
 
     def describe(self) -> str:
         c = self.config
@@ -108,7 +109,8 @@ class Step:
                  f"{c.n_split} programs a row tile" if c.n_split else "",
                  f"group {c.group_m}" if c.group_m > 1 else "",
                  "activations quantised first" * self.quantise_first, "weight-left dots" * self.weight_left,
-                 "tensor descriptors" * self.descriptors, f"kpack {self.kpack}" if self.kpack > 1 else ""]
+                 "tensor descriptors" * self.descriptors, "weights decoded to bf16 a program" * self.mx_dequant,
+                 f"kpack {self.kpack}" if self.kpack > 1 else ""]
         return f"{self.kernel} ({', '.join([tiles, *filter(None, extra)])})"
 
 
@@ -157,6 +159,11 @@ def _weight_left(layer: Layer, cfg: KernelConfig, rows: int, target: Target) -> 
     return cfg.weight_left and layer.shape.fp8 and rows < 64 and target.hopper
 
 
+def _mx_dequant(layer: Layer, cfg: KernelConfig) -> bool:
+    """mxfp4 packed bytes decoded to bf16 by the program before a plain dot: where the entry asks."""
+    return cfg.mx_dequant and layer.shape.weights == "mxfp4" and not layer.mx_words
+
+
 def _kpack(cfg: KernelConfig, target: Target) -> int:
     """The `tl` dot kernels' kpack: the entry's, else the target's; 1 where the target has none."""
     return (cfg.kpack or target.kpack) if target.kpack > 1 else 1
@@ -181,7 +188,8 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
             return Step(GLUON_BLOCK_FP8, cfg, quantise_first=True)
     tile_m, tile_m2 = row_tiles(config.block_m)
     return Step(GATE_UP, cfg, quantise_first=first, weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
-                descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target))
+                descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target),
+                mx_dequant=_mx_dequant(layer, cfg))
 
 
 def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:
@@ -199,7 +207,7 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
                 weight_left=_weight_left(layer, cfg, down_tile(config.block_m), target),
                 descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.pack == 1),
-                kpack=_kpack(cfg, target))
+                kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg))
 
 
 def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:

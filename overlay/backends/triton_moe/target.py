@@ -41,6 +41,7 @@ class Target:
     stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
     kpack: int = 1  # dots' operands read kpack times as much K a lane from LDS (Triton's AMD `kpack`; gfx942 only)
+    fp4_instructions: bool = False  # e2m1 conversion instructions (gfx950): tl.dot_scaled's decode is one a pair
 
     @property
     def tile_bytes(self) -> int:
@@ -81,7 +82,7 @@ class Target:
 AMD_SCRATCH = 4096
 AMD_TARGETS = {
     "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH, kpack=2),
-    "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH),
+    "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH, fp4_instructions=True),
 }
 INTERPRETER = Target("interpreter", "cpu", 0, 32)
 

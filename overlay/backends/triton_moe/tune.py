@@ -28,6 +28,7 @@ from .configs import (
     FP8_TINY_DOWN_STEPS,
     GLUON_BLOCK_M,
     GLUON_MX_BLOCK_MS,
+    MX_DEQUANT_BLOCK_M,
     MX_MIN_K,
     RESIDENT_MAX_I,
     TINY_DOWN_COLUMNS,
@@ -326,6 +327,10 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
         elif gluon and point.shape.weights == "mxfp4" and b in GLUON_MX_BLOCK_MS:
             gate_ups += gluon_mx_candidates()
             downs += gluon_mx_down_candidates()
+        elif point.shape.weights == "mxfp4" and not (target.mx_words or target.fp4_instructions) \
+                and b >= MX_DEQUANT_BLOCK_M:
+            gate_ups += [replace(c, mx_dequant=True) for c in gate_ups]
+            downs += [replace(c, mx_dequant=True) for c in downs]
         cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
     return cands
 
