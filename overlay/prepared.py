@@ -60,7 +60,10 @@ class PreparedExperts:
         return self._layout
 
     def prepare(self) -> None:
-        """Canonical -> the backend's layout, once; a second call does nothing."""
+        """Canonical -> the backend's layout, once; a second call does nothing (where the layout
+        is canonical, the backend's check_weights runs again)."""
+        if self._layout == CANONICAL:
+            self.backend.check_weights(self.spec, self.tensors)
         if self._layout == self.target:
             return
         require_layout(self._layout, CANONICAL, "prepare()")

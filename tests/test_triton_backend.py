@@ -1068,3 +1068,15 @@ def test_tune_imports_no_serving_module():
             "print(sorted(m for m in sys.modules if m.startswith(('moe_overlay.serving', 'pydantic', 'vllm'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_canonical_mxfp4_scales_past_what_the_kernels_multiply_by_are_refused_at_prepare():
+    """The one-token gemv and the decode a program scale canonical mxfp4 by 2^(s - 113) in
+    fp32: e8m0 240 (2^113) is the most; 241 is refused before anything runs, naming the tensor."""
+    spec = with_weights(mo.MoESpec(8, 256, 128, 2, mo.Activation.situ(3.0, 9.0)), "mxfp4")
+    tensors = random_weights(spec, "cpu", seed=0)
+    tensors["w2_scale"][3, 5, 1] = 240
+    mo.PreparedExperts(spec, tensors, mo.get_backend("triton")).prepare()
+    tensors["w2_scale"][3, 5, 1] = 241
+    with pytest.raises(mo.SpecError, match=r"w2_scale holds e8m0 241 \(2\^114\).* up to 2\^113"):
+        mo.PreparedExperts(spec, tensors, mo.get_backend("triton")).prepare()

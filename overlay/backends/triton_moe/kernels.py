@@ -357,7 +357,8 @@ def _mx_dequant(packed, scales):
     warps that split a block's rows each decode the whole tile again). Both codes of a byte as
     _mx_small_halves' fp32 values, times their scale and 2^E2M1_SMALL_EXP (exact: a power of
     two), cut to bf16 by dropping the low 16 bits (exact: e2m1 times a power of two has two
-    significant bits)."""
+    significant bits). As in _mx_group_sums, scales up to 2^113 (e8m0 240): the fp32
+    multiplier is 2^(s - 127 + E2M1_SMALL_EXP)."""
     low, high = _mx_small_halves(packed)
     half_k: tl.constexpr = packed.shape[0]
     n: tl.constexpr = packed.shape[1]
