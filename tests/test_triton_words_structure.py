@@ -72,7 +72,8 @@ def _decode_in_arithmetic(words, scales):
 
 @triton.jit
 def _weight_first_dot_in_fp32(acc, a, a_scale, b, b_scale, W_QUANT: tl.constexpr, A_FMT: tl.constexpr,
-                              ONE_SCALE: tl.constexpr, MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr):
+                              ONE_SCALE: tl.constexpr, MX_WORDS: tl.constexpr, W_LEFT: tl.constexpr,
+                              MX_DEQUANT: tl.constexpr):
     """kernels._mma_step's mx_words case (the only one these layers reach), in fp32."""
     return tl.trans(tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), tl.trans(acc)))
 
