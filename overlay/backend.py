@@ -66,9 +66,10 @@ class Backend(ABC):
         """Fused experts on weights already in `layout_for(spec)`; returns `[M, H]` in x's dtype.
         `expert_map` is what `expert_map_for(spec)` built for this layer."""
 
-    def check_weights(self, spec: MoESpec, tensors: Mapping[str, torch.Tensor]) -> None:
+    def check_weights(self, spec: MoESpec, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
         """Refuse, naming the tensor and value (SpecError), canonical weights whose values this
-        backend's kernels cannot run exactly; prepare() asks before laying them out."""
+        backend's kernels cannot run exactly in `layout` (its layout_for); prepare() asks
+        before laying them out."""
         return None
 
     def expert_map_for(self, spec: MoESpec, device: torch.device | str) -> torch.Tensor | None:

@@ -350,6 +350,15 @@ def mx_scale_unwords(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(stored).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
 
 
+def refuse_e8m0_over(scales: torch.Tensor, name: str, most: int, holder: str, advice: str = "") -> None:
+    """SpecError, naming the tensor and its largest value, where an e8m0 scale of `scales`
+    exceeds `most`, what `holder` takes."""
+    largest = int(scales.max())
+    if largest > most:
+        raise SpecError(f"{name} holds e8m0 {largest} (2^{largest - E8M0_BIAS}); {holder} scales up to "
+                        f"2^{most - E8M0_BIAS}{advice}")
+
+
 def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
     """mxfp4 weights as `mx_words` and their scales as `mx_scale_words`; refused, naming the
     tensor, where a scale exceeds what the decode's multiplier holds."""
@@ -363,11 +372,8 @@ def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tenso
             out[name] = mx_unwords(t[name])
             out[f"{name}_scale"] = mx_scale_unwords(t[f"{name}_scale"])
             continue
-        largest = int(t[f"{name}_scale"].max())
-        if largest > MX_WORD_MAX_SCALE:
-            raise SpecError(
-                f"{name}_scale holds e8m0 {largest} (2^{largest - E8M0_BIAS}); the mx_words layout decodes "
-                f"scales up to 2^{MX_WORD_MAX_SCALE - E8M0_BIAS}: use a backend that keeps canonical mxfp4")
+        refuse_e8m0_over(t[f"{name}_scale"], f"{name}_scale", MX_WORD_MAX_SCALE, "the mx_words layout decodes",
+                         ": use a backend that keeps canonical mxfp4")
         out[name] = mx_words(t[name], name)
         out[f"{name}_scale"] = mx_scale_words(t[f"{name}_scale"])
     return out

@@ -63,7 +63,7 @@ class PreparedExperts:
         """Canonical -> the backend's layout, once; a second call does nothing (where the layout
         is canonical, the backend's check_weights runs again)."""
         if self._layout == CANONICAL:
-            self.backend.check_weights(self.spec, self.tensors)
+            self.backend.check_weights(self.spec, self.tensors, self.target)
         if self._layout == self.target:
             return
         require_layout(self._layout, CANONICAL, "prepare()")
