@@ -144,25 +144,28 @@ def test_mxfp4_reads_the_packed_weights_and_every_scale():
 
 
 @needs_device
-@pytest.mark.parametrize("spec, m, block_m, n_split", [(MXFP4_SMALL[0], 40, 32, 0), (MXFP4_SMALL[1], 150, 48, 2)],
-                         ids=["odd-k-tiled", "situ-three-tiles-streamed"])
-def test_mxfp4_decoded_a_program_matches_the_scaled_dot(spec, m, block_m, n_split, tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec, m, block_m, n_split, whole_block", [
+    (MXFP4_SMALL[0], 40, 32, 0, False), (MXFP4_SMALL[1], 150, 48, 2, False), (MXFP4_SMALL[1], 150, 48, 2, True)],
+    ids=["odd-k-tiled", "situ-three-tiles-streamed", "situ-three-tiles-streamed-whole-block"])
+def test_mxfp4_decoded_a_program_matches_the_scaled_dot(spec, m, block_m, n_split, whole_block, tmp_path,
+                                                        monkeypatch):
     """The same sorted entry with and without `mx_dequant` (each program decodes its packed
     weight tiles to 16 bits for a plain dot, where the layout is packed bytes; words ignore
-    it): both GEMMs take it (the down tiled, or streamed over N tiles), outputs within fp32
-    rounding of each other, and the reference's within mxfp4's error."""
+    it): both GEMMs take it (the down tiled, or streamed over N tiles, a third of a block or
+    all of it a program), outputs within fp32 rounding of each other, and the reference's
+    within mxfp4's error."""
     if _target().mx_words:
         pytest.skip("mxfp4 runs as words on this target: mx_dequant is for packed bytes")
     kernel = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 2}
     outs = []
     for use in (False, True):
         entry = {"block_m": block_m, "gate_up": {**kernel, "mx_dequant": use},
-                 "down": {**kernel, "n_split": n_split, "mx_dequant": use}}
+                 "down": {**kernel, "n_split": n_split, "mx_dequant": use, "whole_block": whole_block}}
         table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
         (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
         steps = _plan(spec, m)
-        assert (steps.gate_up.mx_dequant, steps.down.mx_dequant) == (use, use)
+        assert (steps.gate_up.mx_dequant, steps.down.mx_dequant, steps.down.tile_m2) == (use, use, 16 * whole_block)
         outs.append(_check(spec, m, tol=1e-2)[1])
     assert relative_error(outs[1], outs[0]) < 1e-3
 
@@ -174,7 +177,8 @@ KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_
 # blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its
 # share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
 # down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows
-# (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows);
+# (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows, or
+# per block as the gate/up has it);
 # weight tiles through tensor descriptors (plain loads where the weights' rows are not
 # 16-byte aligned: "unaligned").
 UNUSUAL = {
@@ -192,6 +196,8 @@ UNUSUAL = {
     "sorted-split-8": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "block_n": 64, "n_split": 8}}, 40),
     "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
+    "sorted-three-tiles-whole-block": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "whole_block": True}},
+                                       150),
     # the down's routes shared by 2 programs a token (k=1 layers: one program, the split has nothing to share)
     "tiny-down-split": ({"block_m": 16, "gate_up": {**KERNEL, "block_n": 16, "split_k": 2},
                          "down": {**KERNEL, "block_k": 64, "split_k": 2}}, 5),

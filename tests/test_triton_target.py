@@ -109,6 +109,11 @@ def test_the_tuner_offers_a_stand_in_only_what_its_target_runs():
             dequant = {c.block_m for c in candidates(point, gfx942) for k in c.gate_up + c.down if k.mx_dequant}
             assert dequant == ({b for b in (64, 128, 192) if tokens == 8192} if weights == "mxfp4" else set())
             assert not any(k.mx_dequant for k in nvidia)  # words
+            # a whole block a down program: for blocks of three row tiles only, never the resident down
+            whole = {c.block_m for c in candidates(point, gfx942) for k in c.down if k.whole_block}
+            assert whole == ({192} if tokens == 8192 else set()), (weights, tokens)
+            assert not any(k.whole_block and point.shape.down_kind(k) == "resident"
+                           for c in candidates(point, gfx942) for k in c.down)
             gfx950 = replace(AMD_TARGETS["gfx950"], stands_in="NVIDIA H200")  # its fp4 conversions decode
             assert not any(k.mx_dequant for c in candidates(point, gfx950) for k in c.gate_up + c.down)
 
@@ -166,6 +171,15 @@ def test_gfx942s_dots_ask_triton_for_kpack_2_only_where_it_compiles_for_gfx942(t
     words = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ", mx_words=True)
     assert not plan.make_plan(words, mx, False, gfx942).gate_up.mx_dequant
     assert not plan.make_plan(layer, mx, False, gfx942).gate_up.mx_dequant  # bf16: nothing to decode
+    # a whole block of three row tiles a down program: its two tiles, as the gate/up takes them
+    whole = configs.LaunchConfig(192, entry, replace(entry, whole_block=True, n_split=2))
+    steps = plan.make_plan(plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ"), whole, False, gfx942)
+    assert (steps.down.kernel, steps.down.config.whole_block, steps.down.tile_m2) == (plan.STREAMED, True, 64)
+    assert "a whole block a program" in steps.describe()
+    assert plan.make_plan(layer, configs.LaunchConfig(192, entry, entry), False, gfx942).down.tile_m2 == 0
+    with pytest.raises(ValueError, match="whole_block is for the tiled and streamed down, not the resident one"):
+        plan.make_plan(layer, configs.LaunchConfig(192, entry, replace(entry, whole_block=True, n_split=2)),
+                       False, gfx942)
     with pytest.raises(ValueError, match=r"kpack must be 1 or 2 \(0: the target's\); got 4"):
         replace(entry, kpack=4)
     bad = tmp_path / "table.json"

@@ -64,6 +64,8 @@ class KernelConfig:
     kpack: int = 0  # the dots' kpack where the target has one (gfx942: target.py), 1 or 2; 0: the target's
     mx_dequant: bool = False  # mxfp4 packed bytes, sorted gate/up and tiled or streamed down: the program decodes
     # each weight tile to bf16 once for a plain dot (kernels._mx_dequant), not in tl.dot_scaled's per-warp decode
+    whole_block: bool = False  # tiled or streamed down, blocks of three row tiles: a program takes a whole block,
+    # its two row tiles (row_tiles) sharing each weight tile (mxfp4: its decode), not a program per third
 
     def __post_init__(self) -> None:
         if self.kpack not in (0, 1, 2):
@@ -107,6 +109,11 @@ def down_tile(block_m: int) -> int:
     return row_tiles(block_m)[1] or block_m
 
 
+def down_tiles(block_m: int, whole_block: bool) -> tuple[int, int]:
+    """A down program's row tiles: down_tile's one, or (whole_block) the gate/up's two."""
+    return row_tiles(block_m) if whole_block else (down_tile(block_m), 0)
+
+
 def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int, weight_bytes: float = 2.0, act_bytes: int = 2) -> int:
     """Shared memory of one pipeline stage of a dot kernel: `rows` activation rows at
     `act_bytes` a value (1: fp8 quantised before the kernel) and `b_tiles` weight tiles of
@@ -141,7 +148,7 @@ def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int, targe
         used["gate_up"] = target.shared_stages(config.gate_up.num_stages) * stage_bytes(
             config.block_m, config.gate_up, 2, shape.weight_bytes, 1 if sorted_fp8 else 2)
     if not is_tiny(num_tokens, shape.top_k):
-        rows = down_tile(config.block_m)
+        rows = sum(down_tiles(config.block_m, config.down.whole_block))
         used["down"] = (resident_bytes(rows, config.down, shape) if shape.down_kind(config.down) == "resident"
                         else target.shared_stages(config.down.num_stages) * stage_bytes(
                             rows, config.down, 1, shape.weight_bytes, 1 if sorted_fp8 else 2))

@@ -859,7 +859,7 @@ def down_kernel(
     WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     A_FP8: tl.constexpr, A_FMT: tl.constexpr, PACK: tl.constexpr, MX_WORDS: tl.constexpr, MX_DEQUANT: tl.constexpr,
     W_DESC: tl.constexpr, ONE_SCALE: tl.constexpr, W_LEFT: tl.constexpr, N_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """General mode: out[route, n] = w_route * (a[row] @ w2[e]^T), one row per route
     (the final output itself when top_k is 1). A program per TILE_M rows of a block
@@ -867,7 +867,9 @@ def down_kernel(
     rows and an N_SPLIT-th of the N tiles, walked in one loop over (N tile, K step) so that
     the next tile's loads are in flight while a tile is stored (with I of two or three K
     steps, a program per tile spends most of its time filling and draining its pipeline).
-    W_DESC: weight tiles through a tensor descriptor (weight_desc)."""
+    TILE_M2 > 0: a program takes a whole block of three row tiles as the gate/up does, its
+    first two thirds (TILE_M) and last third (TILE_M2) sharing each weight tile (mxfp4: its
+    decode). W_DESC: weight tiles through a tensor descriptor (weight_desc)."""
     tiles = tl.cdiv(hidden, BLOCK_N)
     if N_SPLIT == 0:
         pid_m, first = _grid_position(tl.program_id(0), num_blocks_m, hidden, BLOCK_N, GROUP_M)
@@ -878,22 +880,29 @@ def down_kernel(
         first = tl.program_id(0) % N_SPLIT * per_program
         count = tl.minimum(per_program, tiles - first)
     expert, routes, rows, buffer_rows = _row_tile(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                                                  num_padded_ptr, BLOCK_M, TILE_M)
+                                                  num_padded_ptr, BLOCK_M, TILE_M)  # a whole block: its first tile
     if expert < 0:
         return
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // PACK)  # mxfp4: packed K
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
+    routes2, rows2, a2_ptrs, a2_scale_ptrs = routes, rows, a_ptrs, a_scale_ptrs  # stand-ins: no second tile
+    if TILE_M2 > 0:
+        _, routes2, rows2, buffer_rows2 = _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                                                       num_padded_ptr, BLOCK_M, TILE_M, TILE_M2)
+        a2_ptrs = a_ptr + buffer_rows2[:, None] * stride_am + offs_k[None, :]
+        a2_scale_ptrs = a_scale_ptr + buffer_rows2.to(tl.int64) * stride_asm
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     desc = weight_desc(w_ptr, num_experts * hidden, inter, stride_wn, BLOCK_N, BLOCK_K) if W_DESC else w_ptr
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-    route_weight = 1.0
-    if not WEIGHT_ON_INPUT:
-        route_weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
-    out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
+    route_weight = _route_weight(topk_weights_ptr, routes, rows, WEIGHT_ON_INPUT)
+    route_weight2 = _route_weight(topk_weights_ptr, routes2, rows2, WEIGHT_ON_INPUT)
     k_steps = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    acc2 = acc  # stands in when there is no second tile
+    if TILE_M2 > 0:
+        acc2 = tl.zeros([TILE_M2, BLOCK_N], dtype=tl.float32)
     for step in range(0, count * k_steps):
         tile = first + step // k_steps
         k = step % k_steps
@@ -915,10 +924,37 @@ def down_kernel(
         if MX_WORDS:
             w = _mx_decode(w, w_scale)
         acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
+        if TILE_M2 > 0:
+            a2 = tl.load(a2_ptrs + k * BLOCK_K, mask=rows2[:, None] & k_ok[None, :], other=0.0)
+            a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
+            acc2 = _mma_step(acc2, a2, a2_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
         if k == k_steps - 1:
-            acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
-            tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+            _down_store(acc, route_weight, routes, rows, offs_n, n_ok, scale_base, out_ptr, stride_sn, stride_om,
+                        W_QUANT)
             acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+            if TILE_M2 > 0:
+                _down_store(acc2, route_weight2, routes2, rows2, offs_n, n_ok, scale_base, out_ptr, stride_sn,
+                            stride_om, W_QUANT)
+                acc2 = tl.zeros([TILE_M2, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _route_weight(topk_weights_ptr, routes, rows, WEIGHT_ON_INPUT: tl.constexpr):
+    """The routes' weights as a column (`[rows, 1]`), or 1 where the layer applied them to its input."""
+    weight = 1.0
+    if not WEIGHT_ON_INPUT:
+        weight = tl.load(topk_weights_ptr + routes, mask=rows, other=0.0)[:, None]
+    return weight
+
+
+@triton.jit
+def _down_store(acc, route_weight, routes, rows, offs_n, n_ok, scale_base, out_ptr, stride_sn, stride_om,
+                W_QUANT: tl.constexpr):
+    """down_kernel's finished tile: per-tensor or per-channel weight scales and the routes'
+    weights applied, one output row per route."""
+    acc = _scale_down_columns(acc, scale_base, offs_n, n_ok, stride_sn, W_QUANT) * route_weight
+    out_rows = out_ptr + routes.to(tl.int64)[:, None] * stride_om
+    tl.store(out_rows + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_experts"])

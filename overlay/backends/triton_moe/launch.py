@@ -24,7 +24,7 @@ from .configs import (
     TINY_DOWN_COLUMNS,
     KernelConfig,
     LaunchConfig,
-    down_tile,
+    down_tiles,
     is_tiny,
     launch_config,
     resident_k,
@@ -388,7 +388,7 @@ def down(
     a_fp8 = step.quantise_first
     a_fmt = A_FORMATS[a.dtype]
     a, a_scale = quantize_groups(a, w2.dtype, alignment.num_padded, layer.per_token) if a_fp8 else (a, a)
-    tile_m, tiles_m = _down_row_tiles(plan.block_m, alignment)
+    tile_m, tiles_m = _down_row_tiles(plan, alignment)
     rows = (alignment.sorted_routes, alignment.block_expert, alignment.block_rows, alignment.num_padded)
     if step.kernel == RESIDENT:
         k_low, k_high = (QUANT_GROUP, 0) if a_fp8 else resident_k(layer.shape.inter)
@@ -425,8 +425,8 @@ def down(
         FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
         MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant, W_DESC=_descriptors(step, w2),
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
-        N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=step.tile_m2, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **plan.target.compile_options(step.kpack),
     )
 
@@ -437,10 +437,11 @@ def _one_block_scale(layer: Layer, block_n: int, first_row: int) -> bool:
     return layer.granularity == "block" and kernels.SCALE_BLOCK.value % block_n == 0 and first_row % block_n == 0
 
 
-def _down_row_tiles(block_m: int, alignment: Alignment) -> tuple[int, int]:
-    """(rows per down program, row tiles in all): a block is one tile, or three (down_tile)."""
-    tile_m = down_tile(block_m)
-    return tile_m, alignment.num_blocks * (block_m // tile_m)
+def _down_row_tiles(plan: Plan, alignment: Alignment) -> tuple[int, int]:
+    """(a down program's first row tile, programs along M): a block is one tile, or three
+    (down_tile), or two whose program takes them both (the step's tile_m2)."""
+    tile_m, _ = down_tiles(plan.block_m, bool(plan.down.tile_m2))
+    return tile_m, alignment.num_blocks * (plan.block_m // tile_m)
 
 
 def down_tiny(

@@ -26,7 +26,7 @@ from .configs import (
     KernelConfig,
     LaunchConfig,
     LayerShape,
-    down_tile,
+    down_tiles,
     row_tiles,
     tiny_route_split,
     weights_tag,
@@ -100,6 +100,7 @@ class Step:
     descriptors: bool = False  # weight tiles through tensor descriptors, where the weight tensor allows
     kpack: int = 1  # the dots' kpack (target.Target.kpack), a compile option where Triton compiles for AMD
     mx_dequant: bool = False  # mxfp4 packed bytes decoded to bf16 once a program (KernelConfig.mx_dequant)
+    tile_m2: int = 0  # the down kernel: a program's second row tile, a whole block a program (KernelConfig.whole_block)
 
     def describe(self) -> str:
         c = self.config
@@ -110,6 +111,7 @@ class Step:
                  f"group {c.group_m}" if c.group_m > 1 else "",
                  "activations quantised first" * self.quantise_first, "weight-left dots" * self.weight_left,
                  "tensor descriptors" * self.descriptors, "weights decoded to bf16 a program" * self.mx_dequant,
+                 "a whole block a program" * bool(self.tile_m2),
                  f"kpack {self.kpack}" if self.kpack > 1 else ""]
         return f"{self.kernel} ({', '.join([tiles, *filter(None, extra)])})"
 
@@ -204,10 +206,13 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
     if kind == STREAMED and layer.mx_words and _gluon(cfg, target) \
             and _gluon_mx_words_fits(config.block_m, cfg, layer.shape.hidden, layer.shape.inter, 2):
         return Step(GLUON_MX, cfg)
+    if cfg.whole_block and kind == RESIDENT:
+        raise ValueError(f"whole_block is for the tiled and streamed down, not the resident one: {cfg}")
+    tile_m, tile_m2 = down_tiles(config.block_m, cfg.whole_block)
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
-                weight_left=_weight_left(layer, cfg, down_tile(config.block_m), target),
+                weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.pack == 1),
-                kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg))
+                kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg), tile_m2=tile_m2)
 
 
 def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:

@@ -276,6 +276,15 @@ def resident_down_candidates(block_m: int, shape: LayerShape, target: Target) ->
             and _registers(block_m * c.block_n, c, target) <= REG_BUDGET]
 
 
+def whole_block_candidates(block_m: int, shape: LayerShape, target: Target) -> list[KernelConfig]:
+    """down_kernel a whole block of three row tiles a program (KernelConfig.whole_block): each
+    weight tile loaded, and mxfp4's decoded, once for the block, not once for each third; the
+    tiles that fit its rows."""
+    if not row_tiles(block_m)[1]:
+        return []
+    return [replace(c, whole_block=True) for c in gemm_candidates(block_m, shape, 1, target)]
+
+
 def streamed_down_candidates(tiled: list[KernelConfig], interleaved: bool) -> list[KernelConfig]:
     """down_kernel streamed (fp8 and mxfp4; bf16/fp16 have the resident down): each tiled
     candidate with STREAM_SPLITS programs per row tile."""
@@ -318,7 +327,7 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
         return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, downs))]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
-        tiled = gemm_candidates(down_tile(b), point.shape, 1, target)
+        tiled = gemm_candidates(down_tile(b), point.shape, 1, target) + whole_block_candidates(b, point.shape, target)
         downs = (tiled + resident_down_candidates(down_tile(b), point.shape, target)
                  + streamed_down_candidates(tiled, point.shape.interleaved))
         gate_ups = gemm_candidates(b, point.shape, 2, target)
