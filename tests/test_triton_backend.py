@@ -341,7 +341,12 @@ def test_resident_flag_turns_block_fp8_downs_of_small_i_resident_and_nothing_els
     # a config that still carries the flag (one not from launch_config) runs streamed where it does not apply
     assert [s.down_kind(downs[0]) for s in shapes[1:4]] == ["streamed"] * 3
     # its shared memory: the 64-row activation block and 3 stages of 64-row weight tiles, three K steps, one byte
-    assert configs.resident_bytes(64, downs[0], shapes[0]) == (64 + 3 * 64) * 384
+    assert configs.resident_bytes(64, downs[0], shapes[0], INTERPRETER) == (64 + 3 * 64) * 384
+    # gfx942 keeps one stage and the activation block in registers: the larger of the activation and 2 stages
+    assert configs.resident_bytes(64, downs[0], shapes[0], AMD_TARGETS["gfx942"]) == 2 * 64 * 384
+    # bf16: all of I (256 + 128) at two bytes a value, whatever the entry's block_k
+    assert configs.resident_bytes(128, downs[4], shapes[4], INTERPRETER) == (128 + 3 * 64) * 384 * 2
+    assert configs.resident_bytes(128, downs[4], shapes[4], AMD_TARGETS["gfx950"]) == 3 * 64 * 384 * 2
 
 
 def test_mxfp4_launches_keep_their_k_steps_of_whole_scale_groups_and_plain_loads(tmp_path, monkeypatch):

@@ -121,12 +121,16 @@ def stage_bytes(rows: int, cfg: KernelConfig, b_tiles: int, weight_bytes: float 
     return int((act_bytes * rows + weight_bytes * b_tiles * cfg.block_n) * cfg.block_k)
 
 
-def resident_bytes(rows: int, cfg: KernelConfig, shape: LayerShape) -> int:
-    """down_resident_kernel's shared memory: the activation block and num_stages weight tiles,
-    each of all of I: bf16/fp16 cfg.block_k columns (resident_k's two tiles) at two bytes a
-    value, block fp8 whole K steps at one."""
-    k, value_bytes = (-(-shape.inter // FP8_STEP) * FP8_STEP, 1) if shape.fp8 else (cfg.block_k, 2)
-    return (rows + cfg.num_stages * cfg.block_n) * k * value_bytes
+def resident_bytes(rows: int, cfg: KernelConfig, shape: LayerShape, target: Target) -> int:
+    """down_resident_kernel's shared memory: the activation block and the weight tiles of the
+    stages `target` keeps there (Target.shared_stages), each of all of I (bf16/fp16:
+    resident_k's two tiles at two bytes a value, whatever the entry's block_k; block fp8: whole
+    K steps at one); where the activation stays in registers (Target.resident_in_registers),
+    the larger of the two."""
+    k, value_bytes = (-(-shape.inter // FP8_STEP) * FP8_STEP, 1) if shape.fp8 else (sum(resident_k(shape.inter)), 2)
+    activation = rows * k * value_bytes
+    weights = target.shared_stages(cfg.num_stages) * cfg.block_n * k * value_bytes
+    return max(activation, weights) if target.resident_in_registers else activation + weights
 
 
 @cache
@@ -149,7 +153,7 @@ def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int, targe
             config.block_m, config.gate_up, 2, shape.weight_bytes, 1 if sorted_fp8 else 2)
     if not is_tiny(num_tokens, shape.top_k):
         rows = sum(down_tiles(config.block_m, config.down.whole_block))
-        used["down"] = (resident_bytes(rows, config.down, shape) if shape.down_kind(config.down) == "resident"
+        used["down"] = (resident_bytes(rows, config.down, shape, target) if shape.down_kind(config.down) == "resident"
                         else target.shared_stages(config.down.num_stages) * stage_bytes(
                             rows, config.down, 1, shape.weight_bytes, 1 if sorted_fp8 else 2))
     return used

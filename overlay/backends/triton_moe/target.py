@@ -42,6 +42,8 @@ class Target:
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
     kpack: int = 1  # dots' operands read kpack times as much K a lane from LDS (Triton's AMD `kpack`; gfx942 only)
     fp4_instructions: bool = False  # e2m1 conversion instructions (gfx950): tl.dot_scaled's decode is one a pair
+    resident_in_registers: bool = False  # the resident down's activation block passes through shared memory
+    # once and stays in registers, its buffer then reused by the weight stages (AMD: `make amd-report`'s LDS)
 
     @property
     def tile_bytes(self) -> int:
@@ -81,8 +83,10 @@ class Target:
 # launches (docs/performance.md); gfx950's Triton ignores kpack.
 AMD_SCRATCH = 4096
 AMD_TARGETS = {
-    "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH, kpack=2),
-    "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH, fp4_instructions=True),
+    "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH, kpack=2,
+                     resident_in_registers=True),
+    "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH, fp4_instructions=True,
+                     resident_in_registers=True),
 }
 INTERPRETER = Target("interpreter", "cpu", 0, 32)
 

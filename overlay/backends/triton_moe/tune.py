@@ -272,7 +272,7 @@ def resident_down_candidates(block_m: int, shape: LayerShape, target: Target) ->
         grid = [KernelConfig(n, FP8_STEP, 4, s, n_split=split, descriptors=target.hopper, resident=True)
                 for n in (32, 64, 128) for s in _stages(target, 3, 4, 5) for split in (1, 2)]
         grid += _weight_left(grid, target) if block_m < 64 else []
-    return [c for c in grid if resident_bytes(block_m, c, shape) <= target.tile_bytes
+    return [c for c in grid if resident_bytes(block_m, c, shape, target) <= target.tile_bytes
             and _registers(block_m * c.block_n, c, target) <= REG_BUDGET]
 
 
