@@ -44,7 +44,7 @@ def _check(args: argparse.Namespace) -> int:
 def _check_with_vllm(deployment: Deployment) -> str:
     """Every node's command line parsed, and the MoE layers' quant method named: a strict deployment
     whose backend the overlay cannot give them fails here, as it would at start-up."""
-    from .moe_quant import checkpoint_folder, moe_quant, speculative_draft
+    from .moe_quant import NotBuiltHere, checkpoint_folder, moe_quant, speculative_draft
     from .vllm_args import check_deployment, vllm_version
 
     check_deployment(deployment)
@@ -56,11 +56,15 @@ def _check_with_vllm(deployment: Deployment) -> str:
     if checkpoint is None:
         return f"{parsed}; MoE quant method not checked: no config.json of {deployment.model} here"
     folder, what = checkpoint
-    found = moe_quant(folder, deployment)
-    if not found.mapped and deployment.strict and deployment.backend not in ("auto", "vllm"):
-        raise ConfigError(f"{deployment.source}: moe.backend: {deployment.backend} with moe.strict stops at start-up: "
-                          f"vLLM {vllm_version()} gives the MoE layers of {what}: {found}")
-    checked = f"{parsed}; MoE layers of {what}: {found}"
+    try:
+        found = moe_quant(folder, deployment)
+    except NotBuiltHere as err:
+        checked = f"{parsed}; MoE quant method of {what} not checked: {err}"
+    else:
+        if not found.mapped and deployment.strict and deployment.backend not in ("auto", "vllm"):
+            raise ConfigError(f"{deployment.source}: moe.backend: {deployment.backend} with moe.strict stops at "
+                              f"start-up: vLLM {vllm_version()} gives the MoE layers of {what}: {found}")
+        checked = f"{parsed}; MoE layers of {what}: {found}"
     return checked if deployment.speculative is None else f"{checked}; speculative draft: " \
         f"{speculative_draft(folder, deployment)}"
 

@@ -31,6 +31,12 @@ STAND_INS = {
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 256, 2  # any layer: the method depends on the format
 
 
+class NotBuiltHere(Exception):
+    """The installed vLLM builds no MoE layer for the deployment on this machine: it picks the
+    layer's experts kernel as it builds the quant method (vLLM 0.31's mxfp4), and none of its
+    kernels for that format runs here (a CPU without AMX tiles, say)."""
+
+
 @dataclass(frozen=True)
 class MoEQuant:
     """Upstream's quant method for the deployment's MoE layers and the table's verdict."""
@@ -97,12 +103,17 @@ def moe_quant(folder: Path, deployment: Deployment) -> MoEQuant:
 
     from ..models.quant_methods import NotMapped, mapper_for
     from ..models.standalone import build_moe, vllm_context
+    from .vllm_args import vllm_version
 
     model_config = _model_config(folder, deployment)
     quant_config = VllmConfig.get_quantization_config(model_config, LoadConfig())
     with vllm_context():
-        method = build_moe(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                           quant_config=quant_config).routed_experts.quant_method
+        try:
+            method = build_moe(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
+                               intermediate_size=INTERMEDIATE, quant_config=quant_config).routed_experts.quant_method
+        except NotImplementedError as err:  # upstream's kernel choice, made while the method is built
+            raise NotBuiltHere(f"vLLM {vllm_version()}'s {type(quant_config).__name__} builds no MoE layer on this "
+                               f"machine ({err}); the deployment's GPU picks its own kernel") from err
     name = type(method).__name__
     try:
         return MoEQuant(name, str(mapper_for(method).spec(method)))
