@@ -104,11 +104,12 @@ def test_vllm_layerwise_reload_on_a_shuffled_layout(_vllm):
 
 
 @pytest.mark.parametrize("fmt", quant_formats.FORMATS)
-def test_vllm_layerwise_reload_of_each_checkpoint_format(_vllm, fmt):
+def test_vllm_layerwise_reload_of_each_checkpoint_format(_vllm, fmt, monkeypatch):
     """Each format the quant-method table maps (fp8 block, per-tensor with its merged w1/w3 scale,
     per-channel, mxfp4, unquantised), on a shuffled layout: two layerwise reloads of other weights
     compute what a fresh load of them computes, from the layer's own weight storage."""
     config, kind, _, _ = quant_formats.FORMATS[fmt]
+    quant_formats.upstream_builds(kind, monkeypatch)
 
     def layer():
         with adapter_scope("TestForCausalLM"):
