@@ -41,7 +41,7 @@ lint: install
 test: lint
 	$(PY) -m pytest
 	@echo "==> the Triton kernels again, on Triton's CPU interpreter (small shapes; make test-gpu runs all; mx_words with an fp32 stand-in decode)"
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py tests/test_triton_words_structure.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n auto -m gpu tests/test_triton_kernels.py tests/test_triton_words_structure.py
 
 # lm-eval gsm8k (5-shot, flexible-extract) against CONFIG's server, started here or URL=http://host:port;
 # LIMIT=N questions; GSM8K_DIR=folder with train.jsonl and test.jsonl (offline). Exits 1 below the gate.

@@ -223,6 +223,11 @@ UNUSUAL = {
     "sorted-three-tiles-weight-left": ({"block_m": 48, "gate_up": {**KERNEL, "block_n": 64, "weight_left": True},
                                        "down": {**KERNEL, "block_n": 64, "weight_left": True}}, 150),
 }
+# variants that are another's with NVIDIA's launch features added: on other targets, the same launch
+NVIDIA_TWINS = {"tiny-pdl": "tiny-down-split", "tiny-descriptors": "tiny-split4",
+                "sorted-descriptors": "sorted-grouped",
+                "sorted-three-tiles-resident-descriptors": "sorted-three-tiles-resident"}
+assert all(UNUSUAL[twin][1] == UNUSUAL[name][1] for name, twin in NVIDIA_TWINS.items())
 UNALIGNED = mo.MoESpec(8, 100, 36, 2, dtype=DTYPE)  # 200- and 72-byte weight rows
 GLUON_SPECS = [with_weights(spec, "fp8-block") for spec in (  # H a whole number of the Gluon kernel's passes
     mo.MoESpec(8, 512, 256, 2),
@@ -419,10 +424,22 @@ def test_block_fp8_resident_down_matches_the_streamed_one_and_the_reference(spec
                               "fp8-channel-token"])
 @pytest.mark.parametrize("variant", UNUSUAL)
 def test_unusual_launch_configs_match_the_reference(variant, spec, tmp_path, monkeypatch):
-    entry, m = UNUSUAL[variant]
-    table = {_table_key(): {LayerShape.of(spec).key: {str(m): entry}}}
-    (tmp_path / "configs.json").write_text(json.dumps({"devices": table}))
-    monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
+    """Each unusual entry matches the reference. A variant that is another's with NVIDIA's
+    launch features (PDL, tensor descriptors) added runs where the target has them; elsewhere
+    its plan must be its twin's, which runs."""
+    m = UNUSUAL[variant][1]
+
+    def plan_of(name):
+        table = {_table_key(): {LayerShape.of(spec).key: {str(m): UNUSUAL[name][0]}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"devices": table}))
+        monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"{name}.json"))
+        return _plan(spec, m)
+
+    mine = plan_of(variant)
+    if variant in NVIDIA_TWINS and not _target().hopper:
+        assert not (mine.pdl or mine.gate_up.descriptors or mine.down.descriptors)
+        assert mine.describe() == plan_of(NVIDIA_TWINS[variant]).describe()
+        return
     _check(spec, m, tol=2e-2)
 
 
@@ -477,7 +494,8 @@ def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
     from moe_overlay.backends.triton_moe.configs import KernelConfig, LaunchConfig
     from moe_overlay.layout import to_layout
 
-    spec = SMALL[2]
+    # the interpreter: half of H (4 K steps: splits of 1, and 2, 1, 1) and of I
+    spec = mo.MoESpec(16, 128, 64, 4, mo.Activation.situ(), dtype=DTYPE) if INTERPRET else SMALL[2]
     canonical = random_weights(spec, DEVICE, 0)
     w, ids = random_routing(3, spec, DEVICE, 1)
     x = random_input(3, spec, DEVICE, 2)
@@ -637,6 +655,19 @@ def test_floor_read_kernels_fold_every_word_they_time(kind):
     words = src.cpu().numpy().reshape(out.shape[0], 4, -1)  # program, iteration, its block or tile
     expected = np.bitwise_xor.reduce(words, axis=1).reshape(out.shape)
     np.testing.assert_array_equal(out.cpu().numpy(), expected)
+
+
+@needs_device
+def test_floor_dot_read_sums_every_byte_it_times():
+    """The floor's read through a dot: each program's output is the column sums of all the
+    int8 tiles it read, so a byte left unread (or read twice) shows."""
+    from moe_overlay.backends.triton_moe import bench
+
+    src = torch.randint(-2**31, 2**31 - 1, (2 * 16 * 4 * 32 // 4,), dtype=torch.int32, device=DEVICE)
+    run, out = bench.dot_read(src, 16, 32, 4, 4, 2)
+    run()
+    expected = src.cpu().view(torch.int8).reshape(out.shape[0], 4 * 16, 32).to(torch.int32).sum(1)
+    assert torch.equal(out.cpu(), expected)
 
 
 @needs_device

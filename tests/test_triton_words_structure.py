@@ -87,13 +87,14 @@ SPECS = {
     "k1-oninput-ep": mo.MoESpec(8, 192, 64, 1, apply_router_weight_on_input=True,
                                 expert_map=(0, -1, 1, -1, 2, 3, -1, -1), quant=mo.QuantSpec("mxfp4")),
 }
-# (tokens, launch): tiny mode with the 16-row dot, the gemv gate/up unsplit and split 3 ways
+# (tokens, launch): tiny mode with the 16-row dot, the gemv gate/up unsplit (8 columns a program) and
+# split 3 ways (16)
 # (the down sums 3 partials, padded to 4), sorted mode with a block of two row tiles (32 and
 # 16 sharing each decoded tile) and the streamed down
 LAUNCHES = {
     "tiny-dot": (1, LaunchConfig(16, _kernel(16, 128, split_k=2), _kernel(16, 128))),
     "tiny-gemv": (1, LaunchConfig(16, _kernel(8, 64, gemv=True), _kernel(16, 64))),
-    "tiny-gemv-split3": (3, LaunchConfig(16, _kernel(8, 64, gemv=True, split_k=3), _kernel(32, 64))),
+    "tiny-gemv-split3": (3, LaunchConfig(16, _kernel(16, 64, gemv=True, split_k=3), _kernel(32, 64))),
     "sorted-two-tiles-streamed": (40, LaunchConfig(48, _kernel(32, 64), _kernel(64, 64, n_split=2))),
 }
 
