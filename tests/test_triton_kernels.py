@@ -663,10 +663,10 @@ def test_floor_dot_read_sums_every_byte_it_times():
     int8 tiles it read, so a byte left unread (or read twice) shows."""
     from moe_overlay.backends.triton_moe import bench
 
-    src = torch.randint(-2**31, 2**31 - 1, (2 * 16 * 4 * 32 // 4,), dtype=torch.int32, device=DEVICE)
-    run, out = bench.dot_read(src, 16, 32, 4, 4, 2)
+    src = torch.randint(-2**31, 2**31 - 1, (2 * 32 * 4 * 32 // 4,), dtype=torch.int32, device=DEVICE)
+    run, out = bench.dot_read(src, 32, 32, 4, 4, 2)  # K 32: NVIDIA's least for int8 dots
     run()
-    expected = src.cpu().view(torch.int8).reshape(out.shape[0], 4 * 16, 32).to(torch.int32).sum(1)
+    expected = src.cpu().view(torch.int8).reshape(out.shape[0], 4 * 32, 32).to(torch.int32).sum(1)
     assert torch.equal(out.cpu(), expected)
 
 
