@@ -383,3 +383,24 @@ def test_block_fp8_resident_down_loads_its_activation_once_from_hopper_on(arch, 
             assert len(staged) == (3 if rows[0] == "64" else 0)
         else:
             assert len(re.findall(r"tt\.dot %\S+.*tensor<\d+x\d+xf8E4M3FN, #ttg\.dot_op", loop)) == 3
+
+
+def test_the_floors_dot_read_streams_its_tiles_through_asynchronous_copies():
+    """bench's read through a dot times weight tiles read as the GEMMs stream them on Hopper:
+    each shape's loads compile to asynchronous copies into shared memory, num_stages - 1 tiles
+    in flight (16-byte aligned pointers, as torch allocates)."""
+    import torch
+
+    from moe_overlay.backends.triton_moe import bench
+
+    src = torch.empty(2**16, dtype=torch.int8)
+    out = torch.empty(2**10, dtype=torch.int32)
+    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), DEVICE + 1))
+    try:
+        for rows, cols, iters, warps, stages in bench.READ_DOT_SHAPES:
+            kernel = bench._read_dot_kernel.warmup(src, out, ROWS=rows, COLS=cols, ITERS=iters, num_warps=warps,
+                                                   num_stages=stages, grid=(1,))
+            assert "cp.async" in kernel.asm["ptx"], (rows, cols, stages)
+            assert kernel.metadata.shared >= (stages - 1) * rows * cols, (rows, cols, stages)
+    finally:
+        driver.set_active(None)

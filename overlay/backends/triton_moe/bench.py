@@ -61,9 +61,9 @@ READ_SHAPES = ((4096, 64, 8), (2048, 128, 4), (8192, 32, 16), (4096, 128, 8), (1
 # (ROWS, ITERS, warps, stages) of 128-int32 rows through a tensor descriptor, as the kernels read weights
 READ_TILE_SHAPES = ((32, 64, 4, 4), (64, 32, 4, 3), (64, 64, 8, 4), (128, 16, 8, 3), (16, 128, 4, 4), (32, 128, 4, 3))
 READ_TILE_COLS = 128
-# (ROWS, COLS, ITERS, warps, stages) of int8 tiles read for a dot, through shared memory into its operand, as
-# the GEMMs read weights where no descriptor does; added on 2026-12-06, when gfx950's bf16 Kimi-K3 layer at
-# M=128 in target mode read its weights 1.3% faster than the plain and descriptor reads on an H200
+# (ROWS, COLS, ITERS, warps, stages) of int8 tiles pipelined into shared memory for a dot, as the GEMMs read
+# weights where no descriptor does; added on 2026-12-06, when gfx950's bf16 Kimi-K3 layer at M=128 in target
+# mode read its weights 1.3% faster than the plain and descriptor reads on an H200
 READ_DOT_SHAPES = ((64, 256, 32, 4, 3), (128, 128, 32, 4, 3), (64, 128, 64, 4, 4), (128, 256, 16, 8, 3))
 MATMUL_SIZE = 8192
 # Published dense peaks: HBM bytes/s, bf16 and fp8 FLOP/s (no sparsity).
@@ -95,9 +95,10 @@ def _read_tiles_kernel(src_ptr, out_ptr, rows, ROWS: tl.constexpr, COLS: tl.cons
 
 @triton.jit
 def _read_dot_kernel(src_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr):
-    """ITERS `[ROWS, COLS]` int8 tiles summed column by column in an int8 dot with ones (each
-    tile passing through shared memory into the dot's operand, as the GEMMs' weight tiles do);
-    writes the COLS int32 sums."""
+    """ITERS `[ROWS, COLS]` int8 tiles summed column by column in an int8 dot with ones, the
+    loads pipelined into shared memory over num_stages as the GEMMs' weight tiles are (for sm_90,
+    with 16-byte aligned pointers as torch allocates them: asynchronous copies); writes the COLS
+    int32 sums."""
     first = tl.program_id(0).to(tl.int64) * ROWS * ITERS
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     ones = tl.full([16, ROWS], 1, tl.int8)
@@ -360,7 +361,7 @@ def markdown(rows: list[Row], weights: str, device: str, rates: Rates, target: s
         f"Weights: {weights}. Device: {device}. Date: {datetime.date.today().isoformat()}. Versions: {versions()}.",
         f"Kernels: {target}.",
         f"Measured in the same run: read bandwidth {bw.best / 1e12:.2f} TB/s (the faster of a read-only Triton "
-        f"kernel over {READ_BYTES / 1e9:.1f} GB (plain loads, tiles read for a dot, or descriptor tiles, "
+        f"kernel over {READ_BYTES / 1e9:.1f} GB (plain loads, tiles pipelined for a dot, or descriptor tiles, "
         f"the best shape), "
         f"{bw.read / 1e12:.2f} TB/s, and a device-to-device copy, "
         f"{bw.copy / 1e12:.2f} TB/s read + written), bf16 matrix rate {rates.bf16 / 1e12:.0f} TFLOP/s "
