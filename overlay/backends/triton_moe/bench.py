@@ -124,13 +124,14 @@ def measure_bandwidth() -> Bandwidth:
     from the stream. A copy alone under-states what reads reach (the first table's Kimi-K3
     M=128 read its weights at 102.5% of it), and so does a read kernel of plain loads: on one
     H200 those read 4.37 TB/s where the bf16 layer's tiles through tensor descriptors read
-    4.40, so tiles read that way are timed too, where Triton and the GPU have descriptors."""
+    4.40, so tiles read that way are timed too, where Triton and the GPU have descriptors, and
+    so are tiles pipelined into shared memory for a dot (READ_DOT_SHAPES). The best of all."""
     src = torch.randint(-2**31, 2**31 - 1, (READ_BYTES // 4,), dtype=torch.int32, device="cuda")
-    read = max(READ_BYTES / _read_seconds(plain_read(src, *shape)) for shape in READ_SHAPES)
-    read = max(read, *(READ_BYTES / _read_seconds(dot_read(src, *shape)) for shape in READ_DOT_SHAPES))
+    reads = [plain_read(src, *shape) for shape in READ_SHAPES] + [dot_read(src, *shape) for shape in READ_DOT_SHAPES]
     if launch.weight_descriptors(src.view(1, -1, READ_TILE_COLS)):
-        read = max(read, *(READ_BYTES / _read_seconds(tile_read(src, *shape)) for shape in READ_TILE_SHAPES))
-    del src
+        reads += [tile_read(src, *shape) for shape in READ_TILE_SHAPES]
+    read = max(READ_BYTES / _read_seconds(r) for r in reads)
+    del src, reads
     src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
