@@ -41,28 +41,32 @@ def config_variant(config: Path, out_dir: Path, **model: Any) -> Path:
 
 
 def generate(server: Server, model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
-    """Greedy token ids, NEW_TOKENS per prompt."""
-    out = []
-    for prompt in prompts:
-        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}
-        out.append(server.post("/v1/completions", body)["choices"][0]["token_ids"])
-    return out
+    """Greedy token ids, NEW_TOKENS per prompt: one request, so the prompts decode as one batch."""
+    body = {"model": model, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    return [c["token_ids"] for c in choices(server.post("/v1/completions", body), len(prompts))]
 
 
 def score(server: Server, model: str, sequences: list[list[int]]) -> list[list[float]]:
     """Log-probability of every token of each sequence after the first, as this server computes it."""
+    body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
     scores = []
-    for ids in sequences:
-        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-        entries = server.post("/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
+    for choice, ids in zip(choices(server.post("/v1/completions", body), len(sequences)), sequences, strict=True):
+        entries = choice["prompt_logprobs"][1:]
         scores.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)])
     return scores
 
 
+def choices(response: dict[str, Any], prompts: int) -> list[dict[str, Any]]:
+    """A batched completion's choices in the order of its prompts."""
+    out = sorted(response["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in out] == list(range(prompts)), "one choice a prompt"
+    return out
+
+
 def prompt_ids(server: Server, model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
     body = {"model": model, "prompt": prompts, "max_tokens": 1, "return_token_ids": True}
-    return [c["prompt_token_ids"] for c in server.post("/v1/completions", body)["choices"]]
+    return [c["prompt_token_ids"] for c in choices(server.post("/v1/completions", body), len(prompts))]
 
 
 def chat(server: Server, model: str) -> dict[str, Any]:
