@@ -40,9 +40,9 @@ def config_variant(config: Path, out_dir: Path, **model: Any) -> Path:
     return path
 
 
-def generate(server: Server, model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
-    """Greedy token ids, NEW_TOKENS per prompt: one request, so the prompts decode as one batch."""
-    body = {"model": model, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0,
+def generate(server: Server, model: str, prompts: list[str] = PROMPTS, tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Greedy token ids, `tokens` per prompt: one request, so the prompts decode as one batch."""
+    body = {"model": model, "prompt": prompts, "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     return [c["token_ids"] for c in choices(server.post("/v1/completions", body), len(prompts))]
 

@@ -34,7 +34,7 @@ from moe_overlay.serving.harness import Server, serve
 from moe_overlay.serving.weights import SwapError, swap_weights
 from tests import test_quant_methods as quant_formats
 from tests.backends_for_tests import RelayoutBackend
-from tests.e2e import PROMPTS, ROOT
+from tests.e2e import PROMPTS, ROOT, generate
 from tests.vllm_layers import build_moe, forward, vllm_context
 
 E, H, I, K, T = 4, 64, 64, 2, 6
@@ -190,9 +190,7 @@ def _config_on(twin: Twin, weights: Path, out: Path) -> Path:
 
 
 def _answers(server: Server, model: str, prompts: list[str] = SERVED_PROMPTS) -> list[list[int]]:
-    body = {"model": model, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    return [c["token_ids"] for c in sorted(server.post("/v1/completions", body)["choices"], key=lambda c: c["index"])]
+    return generate(server, model, prompts, NEW_TOKENS)
 
 
 def _while_swapping(server: Server, model: str, folders: list[Path]) -> dict:
