@@ -47,14 +47,17 @@ def generate(server: Server, model: str, prompts: list[str] = PROMPTS, tokens: i
     return [c["token_ids"] for c in choices(server.post("/v1/completions", body), len(prompts))]
 
 
+def prompt_logprobs(server: Server, model: str, sequences: list[list[int]], top: int = 0) -> list[list[dict]]:
+    """vLLM's prompt log-probability entries of every token of each sequence after the first (each
+    token's own and the `top` best at its place), one request for all."""
+    body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top}
+    return [c["prompt_logprobs"][1:] for c in choices(server.post("/v1/completions", body), len(sequences))]
+
+
 def score(server: Server, model: str, sequences: list[list[int]]) -> list[list[float]]:
     """Log-probability of every token of each sequence after the first, as this server computes it."""
-    body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    scores = []
-    for choice, ids in zip(choices(server.post("/v1/completions", body), len(sequences)), sequences, strict=True):
-        entries = choice["prompt_logprobs"][1:]
-        scores.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)])
-    return scores
+    return [[entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)]
+            for entries, ids in zip(prompt_logprobs(server, model, sequences), sequences, strict=True)]
 
 
 def choices(response: dict[str, Any], prompts: int) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from tests.e2e import (
     chat,
     generate,
     prompt_ids,
+    prompt_logprobs,
     score,
 )
 
@@ -54,9 +55,7 @@ def stock_view(server, sequences: list[list[int]]) -> tuple[list[list[float]], l
     """Per token after the first: its log-probability on this server, and how far below this
     server's best choice at that position it is (0 where it is the best)."""
     scores, below = [], []
-    for ids in sequences:
-        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
-        entries = server.post("/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
+    for entries, ids in zip(prompt_logprobs(server, MODEL, sequences, top=1), sequences, strict=True):
         own = [entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)]
         scores.append(own)
         below.append([max(v["logprob"] for v in entry.values()) - lp for entry, lp in zip(entries, own, strict=True)])
