@@ -36,6 +36,7 @@ class Layout:
     transposed: bool = False  # weights stored [E, K, N]; scales stay canonical
     mx_scale_shuffle: bool = False  # mxfp4 e8m0 scales in 32-row x 8-group tiles (see shuffle_mx_scales)
     mx_words: bool = False  # mxfp4 e2m1 recoded into int32 words, 16 rows x 64 K together (see mx_words)
+    mx_units: tuple[str, ...] = ()  # mxfp4 weights (w13, w2) recoded into int16 units of four (see mx_units)
 
     def __post_init__(self) -> None:
         if self.gate_up not in GATE_UP_ORDERS:
@@ -65,6 +66,8 @@ class Layout:
             parts.append("mx-scale-shuffle")
         if self.mx_words:
             parts.append("mx-words")
+        if self.mx_units:
+            parts.append(f"mx-units({','.join(self.mx_units)})")
         return "/".join(parts)
 
 
@@ -350,32 +353,82 @@ def mx_scale_unwords(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(stored).permute([MX_SCALE_ORDER.index(i) for i in range(6)]).reshape(scales.shape)
 
 
-def refuse_e8m0_over(scales: torch.Tensor, name: str, most: int, holder: str, advice: str = "") -> None:
-    """SpecError, naming the tensor and its largest value, where an e8m0 scale of `scales`
-    exceeds `most`, what `holder` takes."""
-    largest = int(scales.max())
-    if largest > most:
-        raise SpecError(f"{name} holds e8m0 {largest} (2^{largest - E8M0_BIAS}); {holder} scales up to "
-                        f"2^{most - E8M0_BIAS}{advice}")
+# mx_units (gfx942): an int16 unit holds four e2m1 values of one row, those at K = 64c + 16i + j
+# of unit 16c + j (i = 0..3): the exponent and mantissa of value i at bits 3i..3i+2, its sign at
+# bit 12 + i. A kernel makes quarter i of a 64-K chunk fp16 by `((u << (9 - 3i)) & 0x0E00) |
+# ((u << (3 - i)) & 0x8000)`: the value times 2^-14, exact (code 0.5 an fp16 subnormal), which a
+# multiply by the scale times 2^14 as fp16, 2^(s - 113), finishes, exact for e8m0 104..128: no
+# join or reshape after the decode, so it runs in the matrix instruction's operand layout.
+MX_UNIT_K = 64
+MX_UNIT_SCALES = (E8M0_BIAS - 23, E8M0_BIAS + 1)  # e8m0 the fp16 decode keeps exact: 2^-23..2^1
 
 
-def _mx_recode(t: Tensors, spec: MoESpec, enabled: bool, inverse: bool) -> Tensors:
-    """mxfp4 weights as `mx_words` and their scales as `mx_scale_words`; refused, naming the
-    tensor, where a scale exceeds what the decode's multiplier holds."""
-    if not enabled:
+def mx_units(packed: torch.Tensor, name: str = "the weight") -> torch.Tensor:
+    """Packed mxfp4 `[E, N, K/2]` (uint8, even K in the low nibble) -> int16 units `[E, N, K/4]`."""
+    e, n, half = packed.shape
+    if (2 * half) % MX_UNIT_K:
+        raise SpecError(f"mx_units needs K % {MX_UNIT_K} == 0; {name} has K {2 * half}")
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(e, n, 2 * half // MX_UNIT_K, 4, MX_UNIT_K // 4)
+    codes = codes.to(torch.int32)
+    units = torch.zeros(e, n, 2 * half // MX_UNIT_K, MX_UNIT_K // 4, dtype=torch.int32, device=packed.device)
+    for i in range(4):
+        units |= ((codes[:, :, :, i] & 7) << (3 * i)) | ((codes[:, :, :, i] >> 3) << (12 + i))
+    return (units - (units >> 15 << 16)).to(torch.int16).view(e, n, half // 2)
+
+
+def mx_ununits(units: torch.Tensor) -> torch.Tensor:
+    """Inverse of `mx_units`."""
+    e, n, count = units.shape
+    u = units.to(torch.int32).view(e, n, count * 4 // MX_UNIT_K, 1, MX_UNIT_K // 4) & 0xFFFF
+    i = torch.arange(4, device=units.device).view(1, 1, 1, 4, 1)
+    codes = ((u >> (3 * i)) & 7) | (((u >> (12 + i)) & 1) << 3)  # [E, N, chunks, 4, 16]: K = 64c + 16i + j
+    codes = codes.reshape(e, n, count * 4)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _mx_groups_nonzero(packed: torch.Tensor) -> torch.Tensor:
+    """bool `[E, N, K/32]`: whether a scale group of packed mxfp4 `[E, N, K/2]` holds a value
+    other than +-0 (the kernels clamp an all-zero group's scale into what they decode)."""
+    e, n, half = packed.shape
+    return ((packed & 0x77) != 0).view(e, n, half * 2 // MXFP4_GROUP, MXFP4_GROUP // 2).any(-1)
+
+
+def refuse_e8m0_outside(scales: torch.Tensor, name: str, least: int, most: int, holder: str,
+                        advice: str = "") -> None:
+    """SpecError, naming the tensor and the value, where an e8m0 scale of `scales` lies outside
+    `least`..`most`, what `holder` keeps exact."""
+    span = f"2^{least - E8M0_BIAS} to " if least else "up to "
+    for value, out in ((int(scales.min()), lambda v: v < least), (int(scales.max()), lambda v: v > most)):
+        if out(value):
+            raise SpecError(f"{name} holds e8m0 {value} (2^{value - E8M0_BIAS}); {holder} scales {span}"
+                            f"2^{most - E8M0_BIAS}{advice}")
+
+
+def _mx_recode(t: Tensors, spec: MoESpec, layout: Layout, inverse: bool) -> Tensors:
+    """mxfp4 weights as `mx_words` (their scales as `mx_scale_words`) or, those layout.mx_units
+    names, as `mx_units` (scales canonical); refused, naming the tensor, where a scale lies
+    outside what the decode keeps exact."""
+    if not (layout.mx_words or layout.mx_units):
         return t
     if spec.quant.weights != "mxfp4":
-        raise SpecError(f"mx_words applies to mxfp4 weights, not {spec.quant}")
+        raise SpecError(f"{'mx_words' if layout.mx_words else 'mx_units'} applies to mxfp4 weights, not {spec.quant}")
     out = dict(t)
     for name in ("w13", "w2"):
-        if inverse:
-            out[name] = mx_unwords(t[name])
-            out[f"{name}_scale"] = mx_scale_unwords(t[f"{name}_scale"])
-            continue
-        refuse_e8m0_over(t[f"{name}_scale"], f"{name}_scale", MX_WORD_MAX_SCALE, "the mx_words layout decodes",
-                         ": use a backend that keeps canonical mxfp4")
-        out[name] = mx_words(t[name], name)
-        out[f"{name}_scale"] = mx_scale_words(t[f"{name}_scale"])
+        scale = f"{name}_scale"
+        if layout.mx_words and inverse:
+            out[name], out[scale] = mx_unwords(t[name]), mx_scale_unwords(t[scale])
+        elif layout.mx_words:
+            refuse_e8m0_outside(t[scale], scale, 0, MX_WORD_MAX_SCALE, "the mx_words layout decodes",
+                                ": use a backend that keeps canonical mxfp4")
+            out[name], out[scale] = mx_words(t[name], name), mx_scale_words(t[scale])
+        elif name in layout.mx_units and inverse:
+            out[name] = mx_ununits(t[name])
+        elif name in layout.mx_units:
+            held = t[scale][_mx_groups_nonzero(t[name])]  # an all-zero group's scale changes nothing: clamped
+            if held.numel():
+                refuse_e8m0_outside(held, scale, *MX_UNIT_SCALES, "the mx_units layout decodes",
+                                    ": use packed bytes (MOE_OVERLAY_TRITON_MX_LAYOUT=bytes)")
+            out[name] = mx_units(t[name], name)
     return out
 
 
@@ -392,7 +445,7 @@ def _steps(spec: MoESpec, layout: Layout) -> list[Callable[[Tensors, bool], Tens
         lambda t, inv: _reorder_gate_up(t, spec, layout.gate_up, inv),
         lambda t, inv: _shuffle(t, layout.shuffle, inv),
         lambda t, inv: _shuffle_mx(t, spec, layout.mx_scale_shuffle, inv),
-        lambda t, inv: _mx_recode(t, spec, layout.mx_words, inv),
+        lambda t, inv: _mx_recode(t, spec, layout, inv),
         lambda t, inv: _transpose(t, layout.transposed),
     ]
 

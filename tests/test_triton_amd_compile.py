@@ -26,7 +26,7 @@ from moe_overlay.backends.problems import random_input, random_routing, random_w
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
 from moe_overlay.backends.triton_moe.offline import AbsentGpu  # noqa: E402
-from moe_overlay.backends.triton_moe.target import AMD_TARGETS, current_target  # noqa: E402
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, MX_LAYOUT_ENV, current_target  # noqa: E402
 from moe_overlay.layout import to_layout  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
@@ -145,3 +145,24 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
             if kernel in DOT_KERNELS:
                 for pattern in MATRIX[(arch, "bf16")] if launch_name == DECODED else expected:
                     assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel} ({launch_name})"
+
+
+def test_gate_up_units_compile_for_gfx942_to_fp16_matrix_instructions_without_spills(monkeypatch):
+    """MOE_OVERLAY_TRITON_MX_LAYOUT=units on gfx942: every mxfp4 launch compiles, the activations
+    made fp16 a row first (launch.fp16_rows: quantize_tokens_kernel), the gate/up's quarter
+    dots on fp16 MFMAs (the down keeps packed bytes and bf16 ones), no VGPR spilled, LDS
+    within 64 KiB."""
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")
+    compiled = _compile("gfx942", 1900, "mxfp4")
+    kernels_of = {key.split()[0]: (gcn, shared) for code in compiled.values() for key, (gcn, shared) in code.items()}
+    assert {"quantize_tokens_kernel", "gate_up_kernel", "gate_up_gemv_kernel", "down_kernel"} <= set(kernels_of)
+    for launch_name, code in compiled.items():
+        for key, (gcn, shared) in code.items():
+            kernel = key.split()[0]
+            assert shared <= AMD_TARGETS["gfx942"].shared_bytes, f"{launch_name}: {kernel}: {shared} B"
+            spills = re.search(r"\.vgpr_spill_count:\s+(\d+)", gcn)
+            assert spills and int(spills.group(1)) == 0, f"{launch_name}: {kernel} spills"
+            if kernel == "gate_up_kernel":
+                assert re.search(r"v_mfma_f32_\w+_f16", gcn), f"{launch_name}: no fp16 MFMA in the gate/up"
+            if kernel == "down_kernel":
+                assert re.search(r"v_mfma_f32_\w+_bf16", gcn), f"{launch_name}: no bf16 MFMA in the down"

@@ -33,6 +33,7 @@ from moe_overlay.backends.triton_moe.configs import (
     is_tuned,
     table_devices,
 )
+from moe_overlay.backends.triton_moe.target import MX_LAYOUT_ENV
 from moe_overlay.routing import grouped_topk
 
 pytestmark = pytest.mark.gpu
@@ -113,6 +114,8 @@ def test_small_layers_match_the_reference(spec, m):
     _check(spec, m, tol=1e-2)
 
 
+KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
+KERNEL_MX = {**KERNEL, "block_k": 64}  # mxfp4 K steps: whole 64-K chunks (mx_units)
 MXFP4 = mo.QuantSpec("mxfp4")
 MXFP4_SMALL = [
     mo.MoESpec(8, 224, 96, 2, quant=MXFP4, dtype=DTYPE),  # K of both GEMMs not a multiple of their K steps
@@ -165,13 +168,64 @@ def test_mxfp4_decoded_a_program_matches_the_scaled_dot(spec, m, block_m, n_spli
         (tmp_path / f"configs-{use}.json").write_text(json.dumps({"devices": table}))
         monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / f"configs-{use}.json"))
         steps = _plan(spec, m)
-        assert (steps.gate_up.mx_dequant, steps.down.mx_dequant, steps.down.tile_m2) == (use, use, 16 * whole_block)
+        units = _target().mx_units  # the gate/up's mx_units have their own decode
+        assert (steps.gate_up.mx_dequant, steps.down.mx_dequant, steps.down.tile_m2) == (
+            use and not units, use, 16 * whole_block)
         outs.append(_check(spec, m, tol=1e-2)[1])
     assert relative_error(outs[1], outs[0]) < 1e-3
 
 
+UNITS_ENTRIES = {  # (launch entry, tokens) of mx_units gate/ups: tiny mode split over K, the gemv, sorted, three tiles
+    "tiny-split2": ({"block_m": 16, "gate_up": {**KERNEL_MX, "split_k": 2}, "down": KERNEL_MX}, 3),
+    "tiny-gemv": ({"block_m": 16, "gate_up": {**KERNEL_MX, "block_n": 8, "block_k": 128, "split_k": 2, "gemv": True},
+                   "down": KERNEL_MX}, 3),
+    "sorted-k128": ({"block_m": 32, "gate_up": {**KERNEL_MX, "block_k": 128}, "down": KERNEL_MX}, 40),
+    "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL_MX, "down": KERNEL_MX}, 150),
+}
+
+
+@needs_device
+@pytest.mark.parametrize("spec, entry", [(MXFP4_SMALL[1], entry) for entry in UNITS_ENTRIES]
+                         + [(MXFP4_SMALL[2], "tiny-gemv"), (MXFP4_SMALL[2], "sorted-three-tiles")],
+                         ids=[*UNITS_ENTRIES, "k1-oninput-ep-tiny-gemv", "k1-oninput-ep-sorted-three-tiles"])
+def test_mxfp4_gate_up_units_match_the_dequantising_reference(spec, entry, tmp_path, monkeypatch):
+    """MOE_OVERLAY_TRITON_MX_LAYOUT=units: the gate/up's weights as int16 units (layout.mx_units),
+    fp16 quarter dots of activations made fp16 a row (launch.fp16_rows), or the gemv's fp32
+    products, the down's packed bytes as before; within mxfp4's error of the reference, and
+    of the packed bytes' output."""
+    config, m = UNITS_ENTRIES[entry]
+    (tmp_path / "configs.json").write_text(json.dumps({"devices": {_table_key(): {
+        LayerShape.of(spec).key: {str(m): config}}}}))
+    monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
+    monkeypatch.setenv(MX_LAYOUT_ENV, "bytes")
+    _, packed, _ = _check(spec, m, tol=1e-2)
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")
+    steps = _plan(spec, m)
+    assert steps.tiny == entry.startswith("tiny") and steps.target.mx_units
+    assert steps.gate_up.kernel == (plan.GEMV if "gemv" in entry else plan.GATE_UP)
+    prepared, out, _ = _check(spec, m, tol=1e-2)
+    assert prepared.layout.mx_units == ("w13",) and prepared.tensors["w13"].dtype == torch.int16
+    assert relative_error(out, packed) < 1e-3
+
+
+@needs_device
+def test_fp16_rows_keep_bf16_values_exactly_and_rows_past_fp16s_range():
+    """The mx_units gate/up's activations: rows of bf16 to fp16 times a power of two a row,
+    exact for every value (bf16's 8 significant bits, down to 2^-29 of the row's largest),
+    rows past 65504 and of zeros too."""
+    from moe_overlay.backends.triton_moe.launch import fp16_rows
+
+    x = torch.randn(4, 200, device=DEVICE).to(torch.bfloat16)
+    x[1] *= 2.0**20  # past fp16's 65504
+    x[2] *= 2.0**-20
+    x[3] = 0
+    q, scale = fp16_rows(x)
+    assert q.dtype == torch.float16 and scale.shape == (4, 1)
+    assert torch.equal(q.float() * scale, x.float())
+    assert (q[:3].float().abs().amax(1) > 2.0**14).all() and (q[:3].float().abs().amax(1) <= 2.0**15).all()
+
+
 FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
-KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 # (launch config, token count): tiny mode with K split 4 ways (the down kernel unrolls over
 # the splits) and narrow tiles, and with the gemv gate/up; sorted mode with
 # blocks of 32 grouped 2 by 2; the down with 2, 3 or 8 programs per block, each walking its

@@ -49,6 +49,10 @@ def test_the_mxfp4_layout_can_be_asked_for_to_measure_the_other_one(monkeypatch)
     assert target.stand_in(AMD_TARGETS["gfx950"], "gfx950").mx_words
     monkeypatch.setenv(MX_LAYOUT_ENV, "bytes")
     assert not target.stand_in(nvidia_target(90), "NVIDIA H200").mx_words
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")
+    units = target.stand_in(replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200"), "NVIDIA H200")
+    assert units.mx_units and not units.mx_words and "gate/up units" in units.describe()
+    assert target.platform_target("cpu", "", "").mx_units  # the interpreter's too
     monkeypatch.setenv(MX_LAYOUT_ENV, "nibbles")
     with pytest.raises(ValueError, match=f"{MX_LAYOUT_ENV}='nibbles' is not an mxfp4 layout"):
         target.stand_in(nvidia_target(90), "NVIDIA H200")
@@ -68,6 +72,11 @@ def test_the_layout_follows_the_target_not_the_vendor(monkeypatch):
     monkeypatch.delenv(TARGET_ENV)
     monkeypatch.setenv(MX_LAYOUT_ENV, "words")
     assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", "gfx950")) == words
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")  # the gate/up's weights, where H is whole 64-K chunks
+    assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", "gfx942")) == mo.Layout("triton",
+                                                                                             mx_units=("w13",))
+    assert triton_backend.layout_for(replace(spec, hidden_size=3616), mo.Platform("cuda", "amd", "gfx942")) \
+        == mo.CANONICAL
 
 
 def test_target_mode_reads_the_targets_entries_only_fitted_to_its_lds():

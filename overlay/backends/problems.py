@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checks import canonical_shapes
-from ..quant import quantize_fp8, quantize_mxfp4
+from ..quant import E8M0_BIAS, quantize_fp8, quantize_mxfp4
 from ..spec import Activation, MoESpec, QuantSpec
 
 TOKEN_COUNTS = (1, 16, 128, 1024, 8192)
@@ -98,11 +98,17 @@ def random_weights(
 
 
 def empty_weights(spec: MoESpec, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Canonical tensors of the right shapes and dtypes, unfilled (scales zeroed, as layout steps
-    read them): for work that reads none."""
-    return {name: (torch.zeros if name.endswith("_scale") else torch.empty)(
-                shape, dtype=spec.dtype if spec.dtype in dtypes else dtypes[0], device=device)
-            for name, (shape, dtypes) in canonical_shapes(spec).items()}
+    """Canonical tensors of the right shapes and dtypes, unfilled but for the scales, which
+    layout steps read (zeros; e8m0 2^0, which every mxfp4 layout holds): for work that reads
+    none."""
+    out = {}
+    for name, (shape, dtypes) in canonical_shapes(spec).items():
+        dtype = spec.dtype if spec.dtype in dtypes else dtypes[0]
+        if not name.endswith("_scale"):
+            out[name] = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            out[name] = torch.full(shape, E8M0_BIAS if dtype == torch.uint8 else 0, dtype=dtype, device=device)
+    return out
 
 
 def random_input(num_tokens: int, spec: MoESpec, device: torch.device | str, seed: int) -> torch.Tensor:

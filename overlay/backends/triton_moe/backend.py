@@ -11,7 +11,7 @@ import torch
 
 from ...backend import Backend, Platform, register_backend
 from ...errors import MoEInputError
-from ...layout import CANONICAL, MX_WORD_K, MX_WORD_ROWS, Layout, refuse_e8m0_over
+from ...layout import CANONICAL, MX_UNIT_K, MX_WORD_K, MX_WORD_ROWS, Layout, refuse_e8m0_outside
 from ...quant import E8M0_BIAS, FNUZ_ARCHS, native_fp8_format
 from ...spec import MoESpec
 from . import op  # noqa: F401  (registers torch.ops.moe_overlay.triton_experts)
@@ -82,12 +82,15 @@ class TritonBackend(Backend):
         # fp8 stays canonical, only its flavour changes: MI300's hardware fp8 is e4m3fnuz.
         # mxfp4 with bf16 activations: recoded words (layout.mx_words), decoded by shifts and
         # masks, 512 contiguous bytes a K step of 16 rows, where the target says so
-        # (target.Target.mx_words: measured, docs/performance.md); else canonical bytes for
-        # tl.dot_scaled (gfx950's fp4 conversion).
+        # (target.Target.mx_words: measured, docs/performance.md); the gate/up's as int16 units
+        # for fp16 dots where the target says so (target.Target.mx_units, H whole 64-K chunks);
+        # else canonical bytes for tl.dot_scaled (gfx950's fp4 conversion).
         if LayerShape.of(spec).interleaved:
             return Layout("triton", gate_up="interleaved")
         if spec.quant.weights == "mxfp4" and _mx_words_fit(spec, _target(platform)):
             return Layout("triton", mx_words=True)
+        if spec.quant.weights == "mxfp4" and _target(platform).mx_units and spec.hidden_size % MX_UNIT_K == 0:
+            return Layout("triton", mx_units=("w13",))
         native = native_fp8_format(platform.arch or "")
         if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and native == "e4m3fnuz":
             return Layout("triton", fp8_format="e4m3fnuz")
@@ -101,8 +104,8 @@ class TritonBackend(Backend):
         from .kernels import E2M1_SMALL_EXP
 
         for name in ("w13_scale", "w2_scale"):
-            refuse_e8m0_over(tensors[name], name, 2 * E8M0_BIAS - E2M1_SMALL_EXP.value,  # 240: 2^113
-                             "the Triton backend's mxfp4 kernels take")
+            refuse_e8m0_outside(tensors[name], name, 0, 2 * E8M0_BIAS - E2M1_SMALL_EXP.value,  # 240: 2^113
+                                "the Triton backend's mxfp4 kernels take")
 
     def kernel_name(self, spec: MoESpec) -> str:
         return f"moe_overlay::triton_experts ({LayerShape.of(spec).weights}, {spec.activation})"

@@ -176,11 +176,11 @@ def fit_shared(config: LaunchConfig, shape: LayerShape, num_tokens: int, target:
 
 def weights_tag(dtype: torch.dtype, fp8_granularity: str | None) -> str:
     """bf16, fp16, fp8-<granularity> for fp8 weights, or mxfp4 (packed into uint8, or recoded
-    into int32 words: layout.mx_words)."""
+    into int32 words, layout.mx_words, or int16 units, layout.mx_units)."""
     if fp8_granularity:
         return f"fp8-{fp8_granularity}"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "mxfp4", torch.int32: "mxfp4"}.get(
-        dtype, str(dtype))
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "mxfp4", torch.int32: "mxfp4",
+            torch.int16: "mxfp4"}.get(dtype, str(dtype))
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,13 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(FP8_STEP)  # fp8 block scales and activ
 MX_GROUP: tl.constexpr = tl.constexpr(32)  # mxfp4: K values per e8m0 scale
 MX_WORD_ROWS: tl.constexpr = tl.constexpr(layout.MX_WORD_ROWS)  # mx_words: rows stored together
 MX_WORD_CHUNK: tl.constexpr = tl.constexpr(layout.MX_WORD_K // 8)  # mx_words: words of a row per chunk
+MX_UNIT_K: tl.constexpr = tl.constexpr(layout.MX_UNIT_K)  # mx_units: K of a chunk, four quarter dots
+MX_UNIT_PACK: tl.constexpr = tl.constexpr(4)  # mx_units: PACK of int16 units, four e2m1 values each
+MX_UNIT_ROWS: tl.constexpr = tl.constexpr(MX_UNIT_K // 4)  # mx_units: units of a row per 64-K chunk
+MX_UNIT_QUARTER: tl.constexpr = tl.constexpr(MX_UNIT_K // 4)  # mx_units: K of a chunk's quarter, one dot
+MX_UNIT_LEAST: tl.constexpr = tl.constexpr(layout.MX_UNIT_SCALES[0])  # mx_units: the e8m0 its fp16 decode holds
+MX_UNIT_MOST: tl.constexpr = tl.constexpr(layout.MX_UNIT_SCALES[1])
+MX_UNIT_SCALE_BIAS: tl.constexpr = tl.constexpr(layout.E8M0_BIAS - 14 - 15)  # e8m0 s -> fp16 2^(s - 113) bits
 
 
 # Arguments that change with the number of tokens are not specialised on, so one compiled
@@ -234,11 +241,13 @@ def quantize_groups_kernel(
 def quantize_tokens_kernel(
     src_ptr, q_ptr, scale_ptr, limit_ptr, num_rows, cols, stride_src, stride_q, stride_s,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, LIMITED: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
 ):
     """Per-token activations, a program per row: the whole row (BLOCK_C >= cols) in one load,
-    its scale (absmax / fp8 max) and q = row / scale, the scale repeated in each group of
-    GROUP columns (so the GEMMs read it like quantize_groups_kernel's). Rows from
-    `*limit_ptr` on (LIMITED) are left alone."""
+    its scale (absmax / fp8 max, or POWER_OF_TWO: the next power of two up, so that q is the
+    row exactly where FP8 holds its bits, as fp16 holds bf16's) and q = row / scale, the scale
+    repeated in each group of GROUP columns (so the GEMMs read it like
+    quantize_groups_kernel's). Rows from `*limit_ptr` on (LIMITED) are left alone."""
     row = tl.program_id(0)
     if row >= _row_limit(num_rows, limit_ptr, LIMITED):
         return
@@ -246,6 +255,8 @@ def quantize_tokens_kernel(
     ok = offs_c < cols
     src = tl.load(src_ptr + row.to(tl.int64) * stride_src + offs_c, mask=ok, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(src)), FP8_MAX)
+    if POWER_OF_TWO:
+        scale = tl.exp2(tl.ceil(tl.log2(scale)))
     q = tl.clamp(src / scale, -FP8_MAX, FP8_MAX).to(FP8)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + offs_c, q, mask=ok)
     offs_g = tl.arange(0, BLOCK_C // GROUP)
@@ -324,6 +335,41 @@ def _step_scales(scale_base, rows, rows_ok, k, cols, stride_sn, W_QUANT: tl.cons
 
 
 E2M1_SMALL_EXP: tl.constexpr = tl.constexpr(14)  # _mx_products' values are the codes' times 2^-14
+
+
+@triton.jit
+def _mx_units_gemv_step(w_rows, w_ok, x_row, scale_base, offs_w, k, hidden, stride_sn, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """The gemv's K step `k` of mx_units rows (`w_rows`: `[2 BLOCK_N, 1]` row starts): `[2 BLOCK_N,
+    BLOCK_K / 64]` sums a 64-K chunk, scaled. The activations are gathered in the units' order
+    (unit u of the step holds K = 64 (u // 16) + 16 i + u % 16 in its quarter i), so the
+    products need no reshape until each chunk's two scale groups (quarters 0-1, 2-3) are summed
+    and scaled (values times 2^-14: _mx_unit_bits)."""
+    UNITS: tl.constexpr = BLOCK_K // MX_UNIT_PACK
+    CHUNKS: tl.constexpr = BLOCK_K // MX_UNIT_K
+    offs_u = tl.arange(0, UNITS)
+    k0 = k * BLOCK_K
+    u_ok = offs_u < (hidden - k0) // MX_UNIT_PACK  # whole chunks: H is
+    units = tl.load(w_rows + k0 // MX_UNIT_PACK + offs_u[None, :], mask=w_ok[:, None] & u_ok[None, :], other=0)
+    x_units = x_row + k0 + (offs_u // MX_UNIT_ROWS) * MX_UNIT_K + offs_u % MX_UNIT_ROWS
+    first = tl.zeros([2 * BLOCK_N, UNITS], dtype=tl.float32)  # quarters 0 and 1: the chunk's first scale group
+    second = tl.zeros([2 * BLOCK_N, UNITS], dtype=tl.float32)
+    for i in tl.static_range(4):
+        a = tl.load(x_units + i * MX_UNIT_QUARTER, mask=u_ok, other=0.0).to(tl.float32)[None, :]
+        if i < 2:
+            first += _mx_unit_bits(units, i).to(tl.float32) * a
+        else:
+            second += _mx_unit_bits(units, i).to(tl.float32) * a
+    offs_c = tl.arange(0, CHUNKS)
+    group = k * (BLOCK_K // MX_GROUP) + 2 * offs_c  # each chunk's first group
+    s_ok = w_ok[:, None] & (group < hidden // MX_GROUP)[None, :]
+    s_ptrs = scale_base + offs_w[:, None] * stride_sn + group[None, :]
+    s_first = tl.load(s_ptrs, mask=s_ok, other=0).to(tl.int32)
+    s_second = tl.load(s_ptrs + 1, mask=s_ok, other=0).to(tl.int32)
+    sums_first = tl.sum(tl.reshape(first, [2 * BLOCK_N, CHUNKS, MX_UNIT_ROWS]), axis=2)
+    sums_second = tl.sum(tl.reshape(second, [2 * BLOCK_N, CHUNKS, MX_UNIT_ROWS]), axis=2)
+    return (sums_first * _e8m0_to_f32(s_first + E2M1_SMALL_EXP)
+            + sums_second * _e8m0_to_f32(s_second + E2M1_SMALL_EXP))
 
 
 @triton.jit
@@ -539,11 +585,15 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
     layout, their scale blocks span canonical rows): two dots per K step, w8a8-rescaled, or
     scaled dots of packed mxfp4 tiles (PACK 2 values per weight element along K), or of
     mx_words (MX_WORDS: `w_ptr` is the expert's first word, not its k_first-th step's),
-    decoded once a step. With TILE_M2 > 0 a second row tile shares each weight tile (and its
-    decode), as in _gate_up_interleaved. Returns (gate, up, gate2, up2); the last two are the
-    first two when there is no second tile."""
+    decoded once a step, or fp16 quarter dots of mx_units (PACK 4: _mx_units_step). With
+    TILE_M2 > 0 a second row tile shares each weight tile (and its decode), as in
+    _gate_up_interleaved. Returns (gate, up, gate2, up2); the last two are the first two when
+    there is no second tile."""
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_K // PACK)
+    if PACK == MX_UNIT_PACK:
+        offs_kw = tl.arange(0, MX_UNIT_ROWS)  # a chunk's units (_mx_units_step)
+    else:
+        offs_kw = tl.arange(0, BLOCK_K // PACK)
     gate_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_kw[:, None]
     up_ptrs = gate_ptrs + inter * stride_wn
     acc_gate = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
@@ -554,40 +604,98 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
         gate2 = tl.zeros([TILE_M2, BLOCK_N], dtype=tl.float32)
         up2 = tl.zeros([TILE_M2, BLOCK_N], dtype=tl.float32)
     for k in range(k_first, k_last):
-        k_ok = offs_k < hidden - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        if MX_WORDS:  # up rows start I rows on: a whole number of word groups
-            words, words_ok = _mx_word_offsets(offs_n, k, hidden, BLOCK_K)
-            words_ok = n_ok[:, None, None] & words_ok
-            gate = tl.load(w_ptr + words, mask=words_ok, other=0)
-            up = tl.load(w_ptr + inter * (hidden // 8) + words, mask=words_ok, other=0)
+        if PACK == MX_UNIT_PACK:
+            acc_gate, acc_up, gate2, up2 = _mx_units_step(
+                acc_gate, acc_up, gate2, up2, a_ptrs, a2_ptrs, rows, rows2, gate_ptrs, up_ptrs, scale_base, offs_n,
+                n_ok, k, inter, hidden, stride_sn, TILE_M2, BLOCK_K)
         else:
-            w_ok = (offs_kw < (hidden - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
-            gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
-            up = tl.load(up_ptrs, mask=w_ok, other=0.0)
-        a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE,
-                                  MX_WORDS)
-        up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
-                                ONE_SCALE, MX_WORDS)
-        if MX_WORDS:
-            gate = _mx_decode(gate, gate_scale)
-            up = _mx_decode(up, up_scale)
-        acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
-                             MX_DEQUANT)
-        acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
-        if TILE_M2 > 0:
-            a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
-            a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
-            gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
-                              MX_DEQUANT)
-            up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
-                            MX_DEQUANT)
-            a2_ptrs += BLOCK_K
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
+            if MX_WORDS:  # up rows start I rows on: a whole number of word groups
+                words, words_ok = _mx_word_offsets(offs_n, k, hidden, BLOCK_K)
+                words_ok = n_ok[:, None, None] & words_ok
+                gate = tl.load(w_ptr + words, mask=words_ok, other=0)
+                up = tl.load(w_ptr + inter * (hidden // 8) + words, mask=words_ok, other=0)
+            else:
+                w_ok = (offs_kw < (hidden - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
+                gate = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+                up = tl.load(up_ptrs, mask=w_ok, other=0.0)
+            a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
+            gate_scale = _step_scales(scale_base, offs_n, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE,
+                                      MX_WORDS)
+            up_scale = _step_scales(scale_base, offs_n + inter, n_ok, k, hidden, stride_sn, W_QUANT, BLOCK_K,
+                                    ONE_SCALE, MX_WORDS)
+            if MX_WORDS:
+                gate = _mx_decode(gate, gate_scale)
+                up = _mx_decode(up, up_scale)
+            acc_gate = _mma_step(acc_gate, a, a_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                                 MX_DEQUANT)
+            acc_up = _mma_step(acc_up, a, a_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                               MX_DEQUANT)
+            if TILE_M2 > 0:
+                a2 = tl.load(a2_ptrs, mask=rows2[:, None] & k_ok[None, :], other=0.0)
+                a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
+                gate2 = _mma_step(gate2, a2, a2_scale, gate, gate_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                                  MX_DEQUANT)
+                up2 = _mma_step(up2, a2, a2_scale, up, up_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                                MX_DEQUANT)
         a_ptrs += BLOCK_K
+        a2_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // PACK
         up_ptrs += BLOCK_K // PACK
     return acc_gate, acc_up, gate2, up2
+
+
+@triton.jit
+def _mx_units_step(acc_gate, acc_up, gate2, up2, a_ptrs, a2_ptrs, rows, rows2, gate_ptrs, up_ptrs, scale_base,
+                   offs_n, n_ok, k, inter, hidden, stride_sn, TILE_M2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_gate_up_pair's K step `k` of mx_units (layout.mx_units): per 64-K chunk one int16 load
+    of MX_UNIT_ROWS units a row (`gate_ptrs`, `up_ptrs`: `[MX_UNIT_ROWS, N]`), then per quarter
+    an fp16 dot of K 16, the activations' (`a_ptrs`: `[rows, MX_UNIT_QUARTER]` fp16, launch's
+    fp16_rows) against the quarter _mx_unit_quarter places (H a whole number of chunks: the
+    layout's rule). No join or reshape follows the decode, so it runs in the dot operand's
+    layout (on gfx942 the int16 tile is read from LDS in it)."""
+    offs_q = tl.arange(0, MX_UNIT_QUARTER)  # a quarter's K, and a chunk's units (MX_UNIT_ROWS)
+    for c in tl.static_range(BLOCK_K // MX_UNIT_K):
+        k0 = k * BLOCK_K + c * MX_UNIT_K
+        chunk_ok = offs_q < hidden - k0  # all or none: H is whole chunks
+        w_ok = chunk_ok[:, None] & n_ok[None, :]
+        gate = tl.load(gate_ptrs + c * MX_UNIT_ROWS, mask=w_ok, other=0)
+        up = tl.load(up_ptrs + c * MX_UNIT_ROWS, mask=w_ok, other=0)
+        for i in tl.static_range(4):  # a chunk past H reads scale group 0: its weights are zeros
+            group = tl.where(k0 < hidden, (k0 + i * MX_UNIT_QUARTER) // MX_GROUP, 0)
+            gate_s = tl.load(scale_base + offs_n * stride_sn + group, mask=n_ok, other=layout.E8M0_BIAS)
+            up_s = tl.load(scale_base + (offs_n + inter) * stride_sn + group, mask=n_ok, other=layout.E8M0_BIAS)
+            gate_q = _mx_unit_quarter(gate, gate_s, i)
+            up_q = _mx_unit_quarter(up, up_s, i)
+            offset = c * MX_UNIT_K + i * MX_UNIT_QUARTER
+            a = tl.load(a_ptrs + offset, mask=rows[:, None] & chunk_ok[None, :], other=0.0)
+            acc_gate = tl.dot(a, gate_q, acc_gate)
+            acc_up = tl.dot(a, up_q, acc_up)
+            if TILE_M2 > 0:
+                a2 = tl.load(a2_ptrs + offset, mask=rows2[:, None] & chunk_ok[None, :], other=0.0)
+                gate2 = tl.dot(a2, gate_q, gate2)
+                up2 = tl.dot(a2, up_q, up2)
+    return acc_gate, acc_up, gate2, up2
+
+
+@triton.jit
+def _mx_unit_quarter(units, scales, QUARTER: tl.constexpr):
+    """fp16 `[MX_UNIT_ROWS, N]`: quarter QUARTER of a chunk's units (`[MX_UNIT_ROWS, N]` int16) times
+    their e8m0 `scales` (`[N]`). Its codes' magnitudes shifted to fp16's exponent and mantissa
+    (bits 9..11) and signs to bit 15 are the values times 2^-14, exact; the scale times 2^14
+    as fp16, 2^(s - 113), exact for e8m0 104..128 (layout.MX_UNIT_SCALES), finishes them.
+    Scales are clamped into that range: the layout refused any other but an all-zero group's."""
+    held = tl.minimum(tl.maximum(scales.to(tl.int16), MX_UNIT_LEAST), MX_UNIT_MOST)
+    scale = ((held - MX_UNIT_SCALE_BIAS) << 10).to(tl.float16, bitcast=True)
+    return _mx_unit_bits(units, QUARTER) * scale[None, :]
+
+
+@triton.jit
+def _mx_unit_bits(units, QUARTER: tl.constexpr):
+    """fp16 values of quarter QUARTER of mx_units `units` (int16), times 2^-14 (_mx_unit_quarter)."""
+    bits = ((units << (9 - 3 * QUARTER)) & 0x0E00) | ((units << (3 - QUARTER)) & -0x8000)
+    return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -632,7 +740,10 @@ def gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     k_first, k_last = _k_split(hidden, BLOCK_K)
-    offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
+    if PACK == MX_UNIT_PACK:  # a quarter of a 64-K chunk a load (_mx_units_step)
+        offs_k = k_first * BLOCK_K + tl.arange(0, MX_UNIT_QUARTER)
+    else:
+        offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (routes // top_k)[:, None] * stride_xm + offs_k[None, :]
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
     routes2, rows2, buffer_rows2, a2_ptrs = routes, rows, buffer_rows, a_ptrs  # stand-ins: no second tile
@@ -657,6 +768,14 @@ def gate_up_kernel(
             a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_expert, scale_base, rows, rows2, offs_n, n_ok, k_first,
             k_last, inter, hidden, stride_wn, stride_sn, W_QUANT, FP8, FP8_MAX, A_FP8, A_FMT, PACK, MX_WORDS,
             MX_DEQUANT, ONE_SCALE, W_LEFT, TILE_M, TILE_M2, BLOCK_N, BLOCK_K)
+        if PACK == MX_UNIT_PACK:  # the rows' powers of two that made them fp16 (launch.fp16_rows), undone
+            row_scale = tl.load(a_scale_ptrs, mask=rows, other=0.0)[:, None]
+            acc_gate *= row_scale
+            acc_up *= row_scale
+            if TILE_M2 > 0:
+                row_scale2 = tl.load(a2_scale_ptrs, mask=rows2, other=0.0)[:, None]
+                gate2 *= row_scale2
+                up2 *= row_scale2
     if TILE_M2 > 0:
         _gate_up_store(gate2, up2, routes2, rows2, buffer_rows2, offs_n, n_ok, scale_base, topk_weights_ptr,
                        out_ptr, act_ptr, counts_ptr, inter, stride_sn, stride_om, stride_os, beta, linear_beta,
@@ -672,8 +791,8 @@ def gate_up_gemv_kernel(
     inter, hidden, top_k,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, beta, linear_beta,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, MX_UNITS: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Tiny mode, a program per (route, BLOCK_N columns of I, K split): its route's
     matrix-vector product in registers, no tensor cores and no shared memory. With one route
@@ -681,10 +800,11 @@ def gate_up_gemv_kernel(
     through shared memory cost time and carry nothing; routes that share an expert each read
     it. bf16/fp16: interleaved w13; mxfp4: canonical packed w13 (the tile's rows alternate
     gate n and up n, so both reduce alike), see _mx_products, or mx_words (MX_WORDS, decoded
-    like bf16 rows); fp8: canonical rows, a K step one 128-wide group or two, the activation
-    quantised as the dot kernel's path does (each group, or with A_TOKEN the whole row at once,
-    as quantize_tokens_kernel would), each group's sums scaled as they are made (block scales
-    too) and per-channel or per-tensor weight scales applied after the loop. Writes
+    like bf16 rows), or mx_units (MX_UNITS: _mx_units_gemv_step); fp8: canonical rows, a K
+    step one 128-wide group or two, the activation quantised as the dot kernel's path does
+    (each group, or with A_TOKEN the whole row at once, as quantize_tokens_kernel would), each
+    group's sums scaled as they are made (block scales too) and per-channel or per-tensor
+    weight scales applied after the loop. Writes
     gate_up_kernel's tiny-mode fp32 activation (_tiny_store); PDL as there."""
     let_next_start(PDL)
     n_tiles = tl.cdiv(inter, BLOCK_N)
@@ -700,7 +820,14 @@ def gate_up_gemv_kernel(
     offs_w = pair // 2 + (pair % 2) * inter  # mxfp4: canonical rows
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     scale_base = scale_ptr + expert.to(tl.int64) * stride_se
-    if W_QUANT == W_MXFP4 and not MX_WORDS:
+    if W_QUANT == W_MXFP4 and MX_UNITS:
+        w_rows = w_expert + offs_w[:, None] * stride_wn
+        groups = tl.zeros([2 * BLOCK_N, BLOCK_K // MX_UNIT_K], dtype=tl.float32)
+        for k in range(k_first, k_last):
+            groups += _mx_units_gemv_step(w_rows, w_ok, x_row, scale_base, offs_w, k, hidden, stride_sn, BLOCK_N,
+                                          BLOCK_K)
+        rows = tl.sum(groups, axis=1)
+    elif W_QUANT == W_MXFP4 and not MX_WORDS:
         w_rows = w_expert + offs_w[:, None] * stride_wn
         groups = tl.zeros([2 * BLOCK_N, BLOCK_K // MX_GROUP], dtype=tl.float32)
         for k in range(k_first, k_last):

@@ -54,6 +54,7 @@ ALIGN_PROGRAMS = 32  # sort programs a call aims at
 ALIGN_TABLE_ROWS = 8  # count-table rows the scatter programs read per step
 REDUCE_BLOCK_H = 1024
 QUANT_ROWS = 32
+FP16_ROW_MAX = 2.0**15  # fp16_rows: a row's largest value below it, half fp16's largest (its power of two rounds up)
 FP8_W_QUANT = {kernels.W_TENSOR.value, kernels.W_CHANNEL.value, kernels.W_BLOCK.value}
 PINGPONG_FAILS_FROM = (3, 8)  # Triton releases whose AMD block-pingpong pass fails on fp8 dots for gfx950
 
@@ -301,7 +302,12 @@ def gate_up(
     fp8, fp8_max = _fp8_args(w13)
     a_fp8 = step.quantise_first
     a_fmt = A_FORMATS[x.dtype]
-    x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token) if a_fp8 else (x, x)
+    if a_fp8:
+        x, x_scale = quantize_groups(x, w13.dtype, per_token=layer.per_token)
+    elif layer.mx_units:
+        x, x_scale = fp16_rows(x)
+    else:
+        x_scale = x
     if step.kernel in (GLUON_MX, GLUON_BLOCK_FP8):
         _gate_up_gluon(x, x_scale, w13, w13_scale, topk_weights, alignment, layer, plan, out)
         return
@@ -323,7 +329,7 @@ def gate_up(
         INTERLEAVED=layer.shape.interleaved,
         W_DESC=_descriptors(step, w13), PDL=plan.pdl,
         ACTIVATION=ACTIVATIONS[layer.activation], W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max,
-        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack, MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant,
+        A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.gate_up_pack, MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant,
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=step.weight_left,
         BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
@@ -369,8 +375,9 @@ def _gate_up_gemv(
         x.stride(0), w13.stride(0), w13.stride(1), stride_se, stride_sn, partials.stride(0), layer.beta,
         layer.linear_beta,
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input, ACTIVATION=ACTIVATIONS[layer.activation],
-        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words, PDL=pdl,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
+        MX_UNITS=layer.mx_units, PDL=pdl, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
@@ -514,11 +521,31 @@ def quantize_groups(src: torch.Tensor, fp8_dtype: torch.dtype, limit: torch.Tens
     if per_token:
         block_c = max(triton.next_power_of_2(cols), QUANT_GROUP)
         _launch(kernels.quantize_tokens_kernel, (rows,), *args, FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None,
-                BLOCK_C=block_c, GROUP=QUANT_GROUP, num_warps=min(16, max(4, block_c // 512)))
+                BLOCK_C=block_c, GROUP=QUANT_GROUP, POWER_OF_TWO=False, num_warps=_row_warps(block_c))
     else:
         _launch(kernels.quantize_groups_kernel, (triton.cdiv(rows, QUANT_ROWS), groups), *args,
                 FP8=fp8, FP8_MAX=fp8_max, LIMITED=limit is not None, ROWS=QUANT_ROWS, GROUP=QUANT_GROUP, num_warps=4)
     return q, scale
+
+
+def fp16_rows(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 `[rows, cols]`, fp32 `[rows, 1]`) of bf16 or fp16 `src`: each row divided by the
+    power of two that puts its largest value in (2^14, 2^15] (kernels.quantize_tokens_kernel),
+    so a row past fp16's 65504 fits and bf16's values stay exact down to 2^-29 of the row's
+    largest; the mx_units gate/up's activations, its epilogue multiplying the rows back."""
+    rows, cols = src.shape
+    q = torch.empty(rows, cols, dtype=torch.float16, device=src.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=src.device)
+    block_c = triton.next_power_of_2(cols)
+    _launch(kernels.quantize_tokens_kernel, (rows,), src, q, scale, scale, rows, cols, src.stride(0), q.stride(0),
+            scale.stride(0), FP8=tl.float16, FP8_MAX=FP16_ROW_MAX, LIMITED=False, BLOCK_C=block_c, GROUP=block_c,
+            POWER_OF_TWO=True, num_warps=_row_warps(block_c))
+    return q, scale
+
+
+def _row_warps(block_c: int) -> int:
+    """Warps of a program that loads a whole row of `block_c` columns."""
+    return min(16, max(4, block_c // 512))
 
 
 def _fp8_args(weight: torch.Tensor) -> tuple[object, float]:

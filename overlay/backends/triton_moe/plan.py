@@ -66,6 +66,7 @@ class Layer:
     granularity: str | None = None  # fp8 weight scales: tensor, channel or block
     per_token: bool = False  # w8a8 activations: a dynamic scale per token (row), not per 1x128 group
     mx_words: bool = False  # mxfp4 recoded into int32 words (layout.mx_words), not packed bytes
+    mx_units: bool = False  # mxfp4 gate/up weights as int16 units (layout.mx_units), the down's packed bytes
 
     @classmethod
     def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
@@ -74,7 +75,7 @@ class Layer:
         shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
         beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
         return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token,
-                   w13.dtype == torch.int32)
+                   w13.dtype == torch.int32, w13.dtype == torch.int16)
 
     @property
     def w_quant(self) -> object:
@@ -83,10 +84,16 @@ class Layer:
 
     @property
     def pack(self) -> int:
-        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word)."""
+        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word):
+        the down's, and the gate/up's but for mx_units (gate_up_pack)."""
         if self.shape.weights != "mxfp4":
             return 1
         return 8 if self.mx_words else 2
+
+    @property
+    def gate_up_pack(self) -> int:
+        """`pack` of the gate/up weights: four e2m1 an int16 unit where they are mx_units."""
+        return kernels.MX_UNIT_PACK.value if self.mx_units else self.pack
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,9 @@ def _gluon(cfg: KernelConfig, target: Target) -> bool:
 
 def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:
     cfg = config.gate_up
+    if layer.mx_units and cfg.block_k % kernels.MX_UNIT_K.value:
+        raise ValueError(f"mx_units gate/ups step whole {kernels.MX_UNIT_K.value}-K chunks, not block_k "
+                         f"{cfg.block_k}: {cfg}")
     if tiny and cfg.gemv:
         return Step(GEMV, cfg)
     first = (not tiny or layer.per_token) and quantise_first(layer, cfg.block_k)
@@ -191,7 +201,7 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
     tile_m, tile_m2 = row_tiles(config.block_m)
     return Step(GATE_UP, cfg, quantise_first=first, weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target),
-                mx_dequant=_mx_dequant(layer, cfg))
+                mx_dequant=_mx_dequant(layer, cfg) and not layer.mx_units)
 
 
 def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 TARGET_ENV = "MOE_OVERLAY_TRITON_TARGET"
-MX_LAYOUT_ENV = "MOE_OVERLAY_TRITON_MX_LAYOUT"  # words | bytes: measure the other mxfp4 layout on a target
-MX_LAYOUTS = ("words", "bytes")
+MX_LAYOUT_ENV = "MOE_OVERLAY_TRITON_MX_LAYOUT"  # words | bytes | units: measure another mxfp4 layout on a target
+MX_LAYOUTS = ("words", "bytes", "units")
 NVIDIA_SHARED_BYTES = 227 * 1024  # a program's shared memory at most on Hopper (sm_90); the device says its own
 
 
@@ -37,6 +37,8 @@ class Target:
     hopper: bool = False  # NVIDIA sm_90+: Gluon wgmma kernels, PDL, tensor descriptors, weight-left fp8 dots
     mx_words: bool = False  # mxfp4 with bf16 activations as recoded int32 words (layout.mx_words), decoded by
     # integer operations into a bf16 dot; else packed bytes through tl.dot_scaled
+    mx_units: bool = False  # mxfp4 gate/up weights as int16 units of four e2m1 (layout.mx_units), decoded by
+    # shifts and masks into fp16 dots of K 16 with fp16 activations (launch.fp16_rows); the down's packed bytes
     stands_in: str = ""  # the GPU that runs this target's kernels in target mode (its name), else ""
     stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
@@ -69,7 +71,8 @@ class Target:
         return (self.arch,) if self.vendor == "amd" else ()
 
     def describe(self) -> str:
-        kind = "words" if self.mx_words else "packed bytes (tl.dot_scaled)"
+        kind = ("words" if self.mx_words else "gate/up units, down packed bytes" if self.mx_units
+                else "packed bytes (tl.dot_scaled)")
         where = f"stood in for by {self.stands_in}" if self.stands_in else "this GPU"
         nvidia = "Gluon, PDL, tensor descriptors" if self.hopper else "no NVIDIA-only kernels"
         return (f"target {self.arch} ({where}): {self.shared_bytes // 1024} KiB of shared memory a program, "
@@ -118,15 +121,16 @@ def stand_in(real: Target, device_name: str) -> Target:
     if layout:
         if layout not in MX_LAYOUTS:
             raise ValueError(f"{MX_LAYOUT_ENV}={layout!r} is not an mxfp4 layout; use one of {', '.join(MX_LAYOUTS)}")
-        target = replace(target, mx_words=layout == "words")
+        target = replace(target, mx_words=layout == "words", mx_units=layout == "units")
     return target
 
 
 def platform_target(vendor: str, arch: str, device_name: str) -> Target:
     """The target of a GPU as torch describes it (backend.Platform: amd with gfx942, nvidia
-    with sm_90; anything else: the interpreter's), in target mode the one it stands in for."""
+    with sm_90; anything else: the interpreter's), in target mode the one it stands in for,
+    with the mxfp4 layout MX_LAYOUT_ENV names."""
     if vendor not in ("amd", "nvidia"):
-        return INTERPRETER
+        return stand_in(INTERPRETER, "")
     real = amd_target(arch) if vendor == "amd" else nvidia_target(int(arch.removeprefix("sm_")))
     return stand_in(real, device_name)
 
@@ -139,7 +143,7 @@ def current_target() -> Target:
     from . import kernels
 
     if not isinstance(kernels.gate_up_kernel, triton.runtime.jit.JITFunction):
-        return INTERPRETER
+        return platform_target("cpu", "", "")
     gpu = triton.runtime.driver.active.get_current_target()
     return _target_of(gpu.backend, str(gpu.arch), os.environ.get(TARGET_ENV, ""),
                       os.environ.get(MX_LAYOUT_ENV, ""))
