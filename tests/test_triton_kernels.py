@@ -68,7 +68,8 @@ def _plan(spec, m):
     prepared.prepare()
     w13 = prepared.tensors["w13"]
     x = torch.empty(m, spec.hidden_size, dtype=spec.dtype, device=DEVICE)
-    layer = launch.Layer.of(x, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
+    layer = launch.Layer.of(x, w13, prepared.tensors["w2"],
+                            spec.top_k, spec.activation.kind, list(spec.activation.params),
                             spec.apply_router_weight_on_input, spec.quant.granularity,
                             spec.quant.activations == "fp8_token")
     return launch.call_plan(layer, torch.device(DEVICE), m)
@@ -175,12 +176,14 @@ def test_mxfp4_decoded_a_program_matches_the_scaled_dot(spec, m, block_m, n_spli
     assert relative_error(outs[1], outs[0]) < 1e-3
 
 
-UNITS_ENTRIES = {  # (launch entry, tokens) of mx_units gate/ups: tiny mode split over K, the gemv, sorted, three tiles
+UNITS_ENTRIES = {  # (launch entry, tokens) of mx_units layers: tiny mode split over K, the gemv, sorted
     "tiny-split2": ({"block_m": 16, "gate_up": {**KERNEL_MX, "split_k": 2}, "down": KERNEL_MX}, 3),
     "tiny-gemv": ({"block_m": 16, "gate_up": {**KERNEL_MX, "block_n": 8, "block_k": 128, "split_k": 2, "gemv": True},
                    "down": KERNEL_MX}, 3),
     "sorted-k128": ({"block_m": 32, "gate_up": {**KERNEL_MX, "block_k": 128}, "down": KERNEL_MX}, 40),
-    "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL_MX, "down": KERNEL_MX}, 150),
+    # the down streamed over N tiles, a whole block (two row tiles) a program
+    "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL_MX,
+                            "down": {**KERNEL_MX, "n_split": 2, "whole_block": True}}, 150),
 }
 
 
@@ -191,8 +194,9 @@ UNITS_ENTRIES = {  # (launch entry, tokens) of mx_units gate/ups: tiny mode spli
 def test_mxfp4_gate_up_units_match_the_dequantising_reference(spec, entry, tmp_path, monkeypatch):
     """MOE_OVERLAY_TRITON_MX_LAYOUT=units: the gate/up's weights as int16 units (layout.mx_units),
     fp16 quarter dots of activations made fp16 a row (launch.fp16_rows), or the gemv's fp32
-    products, the down's packed bytes as before; within mxfp4's error of the reference, and
-    of the packed bytes' output."""
+    products; the down's too after SiTU (fp16 dots of its fp16 output, or tiny mode's fp32
+    products), after SiLU packed bytes; within mxfp4's error of the reference, and of the
+    packed bytes' output."""
     config, m = UNITS_ENTRIES[entry]
     (tmp_path / "configs.json").write_text(json.dumps({"devices": {_table_key(): {
         LayerShape.of(spec).key: {str(m): config}}}}))
@@ -204,7 +208,9 @@ def test_mxfp4_gate_up_units_match_the_dequantising_reference(spec, entry, tmp_p
     assert steps.tiny == entry.startswith("tiny") and steps.target.mx_units
     assert steps.gate_up.kernel == (plan.GEMV if "gemv" in entry else plan.GATE_UP)
     prepared, out, _ = _check(spec, m, tol=1e-2)
-    assert prepared.layout.mx_units == ("w13",) and prepared.tensors["w13"].dtype == torch.int16
+    units = ("w13", "w2") if spec.activation.kind == "situ" else ("w13",)  # SiTU bounds the down's fp16 input
+    assert prepared.layout.mx_units == units and prepared.tensors["w13"].dtype == torch.int16
+    assert prepared.tensors["w2"].dtype == (torch.int16 if "w2" in units else torch.uint8)
     assert relative_error(out, packed) < 1e-3
 
 
@@ -554,7 +560,7 @@ def test_split_tiny_gate_up_leaves_its_arrival_counts_at_zero(gemv):
     w, ids = random_routing(3, spec, DEVICE, 1)
     x = random_input(3, spec, DEVICE, 2)
     t = to_layout(canonical, spec, TritonBackend().layout_for(spec, Platform.of(x.device)))
-    layer = launch.Layer.of(x, t["w13"], spec.top_k, "situ", list(spec.activation.params), False, None)
+    layer = launch.Layer.of(x, t["w13"], t["w2"], spec.top_k, "situ", list(spec.activation.params), False, None)
     outs = []
     for split, block_n, down_split in [(4, 16, 2), (4, 16, 2), (3, 8, 4), (4, 16, 2)]:
         config = LaunchConfig(16, KernelConfig(block_n, 32, 4, 1 if gemv else 2, split_k=split, gemv=gemv),
@@ -583,7 +589,8 @@ def test_one_token_pdl_launches_equal_plain_ones_in_cuda_graphs(spec, gemv):
 
     t = to_layout(random_weights(spec, DEVICE, 0), spec, TritonBackend().layout_for(spec, Platform.of("cuda")))
     tokens = [[random_input(1, spec, DEVICE, 2 * i), *random_routing(1, spec, DEVICE, 2 * i + 1)] for i in (1, 2)]
-    layer = launch.Layer.of(tokens[0][0], t["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+    layer = launch.Layer.of(tokens[0][0], t["w13"], t["w2"],
+                            spec.top_k, spec.activation.kind, list(spec.activation.params),
                             False, spec.quant.granularity)
     fp8 = spec.quant.weights == "fp8"
     gate_up = KernelConfig(16, 128 if fp8 else 64, 4, 1 if gemv else 2, split_k=2, gemv=gemv)

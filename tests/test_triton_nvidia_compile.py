@@ -65,7 +65,8 @@ def _compile(launches: dict[str, tuple[int, LaunchConfig]], arch: int, device: i
     layout = mo.get_backend("triton").layout_for(spec, HOPPER)
     tensors = to_layout(random_weights(spec, "cpu", seed=0), spec, layout)
     x1 = random_input(1, spec, "cpu", seed=1)
-    layer = launch.Layer.of(x1, tensors["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+    layer = launch.Layer.of(x1, tensors["w13"], tensors["w2"],
+                            spec.top_k, spec.activation.kind, list(spec.activation.params),
                             False, spec.quant.granularity)
     assert layer.mx_words == (spec.quant.weights == "mxfp4")
     driver.set_active(AbsentGpu(GPUTarget("cuda", arch, 32), device))

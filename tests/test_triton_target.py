@@ -72,11 +72,15 @@ def test_the_layout_follows_the_target_not_the_vendor(monkeypatch):
     monkeypatch.delenv(TARGET_ENV)
     monkeypatch.setenv(MX_LAYOUT_ENV, "words")
     assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", "gfx950")) == words
-    monkeypatch.setenv(MX_LAYOUT_ENV, "units")  # the gate/up's weights, where H is whole 64-K chunks
-    assert triton_backend.layout_for(spec, mo.Platform("cuda", "amd", "gfx942")) == mo.Layout("triton",
-                                                                                             mx_units=("w13",))
-    assert triton_backend.layout_for(replace(spec, hidden_size=3616), mo.Platform("cuda", "amd", "gfx942")) \
-        == mo.CANONICAL
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")  # the gate/up's weights where H is whole 64-K chunks, and the
+    gfx942 = mo.Platform("cuda", "amd", "gfx942")  # down's where I is and SiTU bounds its fp16 input
+    assert spec.activation.kind == "situ"
+    assert triton_backend.layout_for(spec, gfx942) == mo.Layout("triton", mx_units=("w13", "w2"))
+    assert triton_backend.layout_for(replace(spec, activation=mo.Activation("silu")), gfx942) == mo.Layout(
+        "triton", mx_units=("w13",))
+    assert triton_backend.layout_for(replace(spec, intermediate_size=352), gfx942) == mo.Layout(
+        "triton", mx_units=("w13",))
+    assert triton_backend.layout_for(replace(spec, hidden_size=3616), gfx942) == mo.CANONICAL
 
 
 def test_target_mode_reads_the_targets_entries_only_fitted_to_its_lds():

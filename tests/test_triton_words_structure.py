@@ -113,7 +113,8 @@ def test_mx_words_kernels_around_the_decode_match_the_reference(spec_name, launc
     ref = reference_moe(x, canonical["w13"], canonical["w2"], weights, ids, spec.quant, spec.activation,
                         spec.apply_router_weight_on_input, (canonical["w13_scale"], canonical["w2_scale"]),
                         expert_map=emap)
-    layer = launch.Layer.of(x, tensors["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+    layer = launch.Layer.of(x, tensors["w13"], tensors["w2"],
+                            spec.top_k, spec.activation.kind, list(spec.activation.params),
                             spec.apply_router_weight_on_input, None)
     assert layer.mx_words
     out = launch.fused_experts(layer, x, tensors["w13"], tensors["w2"], tensors["w13_scale"], tensors["w2_scale"],

@@ -133,7 +133,8 @@ def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Lau
         layout = get_backend("triton").layout_for(small, Platform("cuda", "amd", arch))
         tensors = to_layout(empty_weights(small, "cpu"), small, layout)
         x1 = random_input(1, small, "cpu", seed=1)
-        layer = launch.Layer.of(x1, tensors["w13"], spec.top_k, spec.activation.kind, list(spec.activation.params),
+        layer = launch.Layer.of(x1, tensors["w13"], tensors["w2"],
+                                spec.top_k, spec.activation.kind, list(spec.activation.params),
                                 spec.apply_router_weight_on_input, spec.quant.granularity,
                                 spec.quant.activations == "fp8_token")
         layer = replace(layer, shape=shape)  # the full layer's shape: its launch table entry, its plan

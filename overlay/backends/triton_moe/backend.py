@@ -19,6 +19,7 @@ from .configs import LayerShape, current_table, device_name, is_tuned, table_dev
 from .target import Target, platform_target
 
 ACTIVATIONS = ("silu", "situ")
+FP16_MAX = torch.finfo(torch.float16).max
 FP8_AMD_ARCHS = (*FNUZ_ARCHS, "gfx950")
 
 
@@ -83,14 +84,15 @@ class TritonBackend(Backend):
         # mxfp4 with bf16 activations: recoded words (layout.mx_words), decoded by shifts and
         # masks, 512 contiguous bytes a K step of 16 rows, where the target says so
         # (target.Target.mx_words: measured, docs/performance.md); the gate/up's as int16 units
-        # for fp16 dots where the target says so (target.Target.mx_units, H whole 64-K chunks);
-        # else canonical bytes for tl.dot_scaled (gfx950's fp4 conversion).
+        # for fp16 dots where the target says so (target.Target.mx_units, H whole 64-K chunks),
+        # the down's too where its fp16 input holds the activation (_down_units_fit); else
+        # canonical bytes for tl.dot_scaled (gfx950's fp4 conversion).
         if LayerShape.of(spec).interleaved:
             return Layout("triton", gate_up="interleaved")
         if spec.quant.weights == "mxfp4" and _mx_words_fit(spec, _target(platform)):
             return Layout("triton", mx_words=True)
         if spec.quant.weights == "mxfp4" and _target(platform).mx_units and spec.hidden_size % MX_UNIT_K == 0:
-            return Layout("triton", mx_units=("w13",))
+            return Layout("triton", mx_units=("w13", "w2") if _down_units_fit(spec) else ("w13",))
         native = native_fp8_format(platform.arch or "")
         if spec.quant.weights == "fp8" and spec.quant.fp8_format == "e4m3fn" and native == "e4m3fnuz":
             return Layout("triton", fp8_format="e4m3fnuz")
@@ -141,6 +143,14 @@ def _target(platform: Platform) -> Target:
     gpu = platform.vendor == "nvidia" and torch.cuda.is_available()
     return platform_target(platform.vendor, platform.arch or "",
                            device_name(torch.device("cuda", torch.cuda.current_device())) if gpu else "")
+
+
+def _down_units_fit(spec: MoESpec) -> bool:
+    """Whether the down's mxfp4 weights run as mx_units: their fp16 dots take the activation in
+    fp16, which holds SiTU's (at most beta * linear_beta in magnitude) where that product is
+    below fp16's 65504 (SiLU's has no bound), and I is whole 64-K chunks."""
+    beta, linear_beta = spec.activation.params if spec.activation.kind == "situ" else (0.0, 0.0)
+    return spec.activation.kind == "situ" and beta * linear_beta < FP16_MAX and spec.intermediate_size % MX_UNIT_K == 0
 
 
 def _mx_words_fit(spec: MoESpec, target: Target) -> bool:

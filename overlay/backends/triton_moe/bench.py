@@ -318,7 +318,8 @@ def call_plan(prepared: mo.PreparedExperts, num_tokens: int) -> launch.Plan:
     """The plan the Triton layer `prepared` runs a call of `num_tokens` with."""
     spec, w13 = prepared.spec, prepared.tensors["w13"]
     x = torch.empty(num_tokens, spec.hidden_size, dtype=spec.dtype, device=w13.device)
-    layer = launch.Layer.of(x, w13, spec.top_k, spec.activation.kind, list(spec.activation.params),
+    layer = launch.Layer.of(x, w13, prepared.tensors["w2"],
+                            spec.top_k, spec.activation.kind, list(spec.activation.params),
                             spec.apply_router_weight_on_input, spec.quant.granularity,
                             spec.quant.activations == "fp8_token")
     return launch.call_plan(layer, w13.device, num_tokens)

@@ -341,35 +341,61 @@ E2M1_SMALL_EXP: tl.constexpr = tl.constexpr(14)  # _mx_products' values are the 
 def _mx_units_gemv_step(w_rows, w_ok, x_row, scale_base, offs_w, k, hidden, stride_sn, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """The gemv's K step `k` of mx_units rows (`w_rows`: `[2 BLOCK_N, 1]` row starts): `[2 BLOCK_N,
-    BLOCK_K / 64]` sums a 64-K chunk, scaled. The activations are gathered in the units' order
-    (unit u of the step holds K = 64 (u // 16) + 16 i + u % 16 in its quarter i), so the
-    products need no reshape until each chunk's two scale groups (quarters 0-1, 2-3) are summed
-    and scaled (values times 2^-14: _mx_unit_bits)."""
-    UNITS: tl.constexpr = BLOCK_K // MX_UNIT_PACK
-    CHUNKS: tl.constexpr = BLOCK_K // MX_UNIT_K
-    offs_u = tl.arange(0, UNITS)
-    k0 = k * BLOCK_K
-    u_ok = offs_u < (hidden - k0) // MX_UNIT_PACK  # whole chunks: H is
-    units = tl.load(w_rows + k0 // MX_UNIT_PACK + offs_u[None, :], mask=w_ok[:, None] & u_ok[None, :], other=0)
-    x_units = x_row + k0 + (offs_u // MX_UNIT_ROWS) * MX_UNIT_K + offs_u % MX_UNIT_ROWS
-    first = tl.zeros([2 * BLOCK_N, UNITS], dtype=tl.float32)  # quarters 0 and 1: the chunk's first scale group
-    second = tl.zeros([2 * BLOCK_N, UNITS], dtype=tl.float32)
-    for i in tl.static_range(4):
-        a = tl.load(x_units + i * MX_UNIT_QUARTER, mask=u_ok, other=0.0).to(tl.float32)[None, :]
-        if i < 2:
-            first += _mx_unit_bits(units, i).to(tl.float32) * a
-        else:
-            second += _mx_unit_bits(units, i).to(tl.float32) * a
-    offs_c = tl.arange(0, CHUNKS)
-    group = k * (BLOCK_K // MX_GROUP) + 2 * offs_c  # each chunk's first group
-    s_ok = w_ok[:, None] & (group < hidden // MX_GROUP)[None, :]
-    s_ptrs = scale_base + offs_w[:, None] * stride_sn + group[None, :]
-    s_first = tl.load(s_ptrs, mask=s_ok, other=0).to(tl.int32)
-    s_second = tl.load(s_ptrs + 1, mask=s_ok, other=0).to(tl.int32)
-    sums_first = tl.sum(tl.reshape(first, [2 * BLOCK_N, CHUNKS, MX_UNIT_ROWS]), axis=2)
-    sums_second = tl.sum(tl.reshape(second, [2 * BLOCK_N, CHUNKS, MX_UNIT_ROWS]), axis=2)
-    return (sums_first * _e8m0_to_f32(s_first + E2M1_SMALL_EXP)
-            + sums_second * _e8m0_to_f32(s_second + E2M1_SMALL_EXP))
+    BLOCK_K / 64]` sums a 64-K chunk, scaled (_mx_units_products, _mx_units_group_sums)."""
+    offs_u = tl.arange(0, BLOCK_K // MX_UNIT_PACK)
+    u_ok = offs_u < (hidden - k * BLOCK_K) // MX_UNIT_PACK  # whole chunks: H is
+    units = tl.load(w_rows + k * (BLOCK_K // MX_UNIT_PACK) + offs_u[None, :], mask=w_ok[:, None] & u_ok[None, :],
+                    other=0)
+    first, second = _mx_units_products(units, x_row + _mx_units_k(k, BLOCK_K)[None, :], u_ok[None, :])
+    s_first, s_second = _mx_units_scales_fp32(scale_base + offs_w[:, None] * stride_sn, w_ok[:, None], k, hidden,
+                                              BLOCK_K)
+    return _mx_units_group_sums(first, second, s_first, s_second, 2 * BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _mx_units_k(k, BLOCK_K: tl.constexpr):
+    """K of each unit's quarter 0 in K step `k` of mx_units (unit u of the step holds K =
+    64 (u // 16) + 16 i + u % 16 in its quarter i): the activations gathered in the units' order."""
+    offs_u = tl.arange(0, BLOCK_K // MX_UNIT_PACK)
+    return k * BLOCK_K + (offs_u // MX_UNIT_ROWS) * MX_UNIT_K + offs_u % MX_UNIT_ROWS
+
+
+@triton.jit
+def _mx_units_products(units, x_units, ok):
+    """fp32 products of `units` (int16, `[..., units]`) with the activations at `x_units` (their
+    quarter 0's, _mx_units_k; broadcast against the units), summed over quarters 0-1 and 2-3
+    (a chunk's two scale groups), in units of 2^-14 and before the scales: no reshape until
+    _mx_units_group_sums."""
+    first = _mx_unit_bits(units, 0).to(tl.float32) * tl.load(x_units, mask=ok, other=0.0).to(tl.float32)
+    first += _mx_unit_bits(units, 1).to(tl.float32) * tl.load(x_units + MX_UNIT_QUARTER, mask=ok,
+                                                              other=0.0).to(tl.float32)
+    second = _mx_unit_bits(units, 2).to(tl.float32) * tl.load(x_units + 2 * MX_UNIT_QUARTER, mask=ok,
+                                                              other=0.0).to(tl.float32)
+    second += _mx_unit_bits(units, 3).to(tl.float32) * tl.load(x_units + 3 * MX_UNIT_QUARTER, mask=ok,
+                                                               other=0.0).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _mx_units_scales_fp32(row_scales, ok, k, cols, BLOCK_K: tl.constexpr):
+    """The e8m0 scales (int32) of each chunk's first and second group in K step `k`, for rows
+    whose scales start at `row_scales` (`[..., 1]`; `cols` their K)."""
+    group = k * (BLOCK_K // MX_GROUP) + 2 * tl.arange(0, BLOCK_K // MX_UNIT_K)
+    g_ok = ok & (group < cols // MX_GROUP)
+    first = tl.load(row_scales + group, mask=g_ok, other=0).to(tl.int32)
+    second = tl.load(row_scales + group + 1, mask=g_ok, other=0).to(tl.int32)
+    return first, second
+
+
+@triton.jit
+def _mx_units_group_sums(first, second, s_first, s_second, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`[ROWS, BLOCK_K / 64]`: _mx_units_products' sums of each chunk's two groups, scaled
+    (`s_first`, `s_second`: e8m0 of `[ROWS, BLOCK_K / 64]`, as _mx_group_sums scales)."""
+    chunks: tl.constexpr = BLOCK_K // MX_UNIT_K
+    sums_first = tl.sum(tl.reshape(first, [ROWS, chunks, MX_UNIT_ROWS]), axis=2)
+    sums_second = tl.sum(tl.reshape(second, [ROWS, chunks, MX_UNIT_ROWS]), axis=2)
+    return (sums_first * _e8m0_to_f32(tl.reshape(s_first, [ROWS, chunks]) + E2M1_SMALL_EXP)
+            + sums_second * _e8m0_to_f32(tl.reshape(s_second, [ROWS, chunks]) + E2M1_SMALL_EXP))
 
 
 @triton.jit
@@ -606,8 +632,8 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
     for k in range(k_first, k_last):
         if PACK == MX_UNIT_PACK:
             acc_gate, acc_up, gate2, up2 = _mx_units_step(
-                acc_gate, acc_up, gate2, up2, a_ptrs, a2_ptrs, rows, rows2, gate_ptrs, up_ptrs, scale_base, offs_n,
-                n_ok, k, inter, hidden, stride_sn, TILE_M2, BLOCK_K)
+                acc_gate, acc_up, gate2, up2, a_ptrs, a2_ptrs, rows, rows2, gate_ptrs, scale_base + offs_n * stride_sn,
+                n_ok, k, hidden, inter * stride_wn, inter * stride_sn, True, TILE_M2, BLOCK_K)
         else:
             k_ok = offs_k < hidden - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
@@ -647,53 +673,68 @@ def _gate_up_pair(a_ptrs, a2_ptrs, a_scale_ptrs, a2_scale_ptrs, w_ptr, scale_bas
 
 
 @triton.jit
-def _mx_units_step(acc_gate, acc_up, gate2, up2, a_ptrs, a2_ptrs, rows, rows2, gate_ptrs, up_ptrs, scale_base,
-                   offs_n, n_ok, k, inter, hidden, stride_sn, TILE_M2: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_gate_up_pair's K step `k` of mx_units (layout.mx_units): per 64-K chunk one int16 load
-    of MX_UNIT_ROWS units a row (`gate_ptrs`, `up_ptrs`: `[MX_UNIT_ROWS, N]`), then per quarter
-    an fp16 dot of K 16, the activations' (`a_ptrs`: `[rows, MX_UNIT_QUARTER]` fp16, launch's
-    fp16_rows) against the quarter _mx_unit_quarter places (H a whole number of chunks: the
-    layout's rule). No join or reshape follows the decode, so it runs in the dot operand's
-    layout (on gfx942 the int16 tile is read from LDS in it)."""
+def _mx_units_step(acc, acc_b, acc2, acc2_b, a_ptrs, a2_ptrs, rows, rows2, w_ptrs, scale_ptrs, n_ok, k, cols,
+                   b_offset, b_scale_offset, TWO: tl.constexpr, TILE_M2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A K step `k` of mx_units weights (layout.mx_units; `w_ptrs`: the step's `[MX_UNIT_ROWS, N]`
+    units, `scale_ptrs`: `[N]` rows' first scales; `cols` their K, a whole number of 64-K
+    chunks, the layout's rule), and with TWO a second weight `b_offset` units and
+    `b_scale_offset` scales on (the gate/up's up rows): per chunk one int16 load a weight, then
+    per quarter an fp16 dot of K 16, the activations' (`a_ptrs`: `[rows, MX_UNIT_QUARTER]`
+    fp16) against the quarter _mx_unit_bits places times its scale (_mx_unit_scales: one load
+    of each of a chunk's two groups), into `acc` (`acc_b`), and with TILE_M2 > 0 a second row
+    tile's into `acc2` (`acc2_b`) from the same decode. No join or reshape follows the decode,
+    so it runs in the dot operand's layout (on gfx942 the int16 tile is read from LDS in it)."""
     offs_q = tl.arange(0, MX_UNIT_QUARTER)  # a quarter's K, and a chunk's units (MX_UNIT_ROWS)
     for c in tl.static_range(BLOCK_K // MX_UNIT_K):
         k0 = k * BLOCK_K + c * MX_UNIT_K
-        chunk_ok = offs_q < hidden - k0  # all or none: H is whole chunks
+        chunk_ok = offs_q < cols - k0  # all or none
         w_ok = chunk_ok[:, None] & n_ok[None, :]
-        gate = tl.load(gate_ptrs + c * MX_UNIT_ROWS, mask=w_ok, other=0)
-        up = tl.load(up_ptrs + c * MX_UNIT_ROWS, mask=w_ok, other=0)
-        for i in tl.static_range(4):  # a chunk past H reads scale group 0: its weights are zeros
-            group = tl.where(k0 < hidden, (k0 + i * MX_UNIT_QUARTER) // MX_GROUP, 0)
-            gate_s = tl.load(scale_base + offs_n * stride_sn + group, mask=n_ok, other=layout.E8M0_BIAS)
-            up_s = tl.load(scale_base + (offs_n + inter) * stride_sn + group, mask=n_ok, other=layout.E8M0_BIAS)
-            gate_q = _mx_unit_quarter(gate, gate_s, i)
-            up_q = _mx_unit_quarter(up, up_s, i)
+        group = tl.where(k0 < cols, k0 // MX_GROUP, 0)  # a chunk past K reads group 0: its weights are zeros
+        w = tl.load(w_ptrs + c * MX_UNIT_ROWS, mask=w_ok, other=0)
+        w_s = _mx_unit_scales(scale_ptrs + group, n_ok)
+        w_b = w
+        w_b_s = w_s
+        if TWO:
+            w_b = tl.load(w_ptrs + b_offset + c * MX_UNIT_ROWS, mask=w_ok, other=0)
+            w_b_s = _mx_unit_scales(scale_ptrs + b_scale_offset + group, n_ok)
+        for i in tl.static_range(4):
+            q = _mx_unit_bits(w, i) * w_s[i // 2][None, :]
             offset = c * MX_UNIT_K + i * MX_UNIT_QUARTER
             a = tl.load(a_ptrs + offset, mask=rows[:, None] & chunk_ok[None, :], other=0.0)
-            acc_gate = tl.dot(a, gate_q, acc_gate)
-            acc_up = tl.dot(a, up_q, acc_up)
+            acc = tl.dot(a, q, acc)
+            if TWO:
+                q_b = _mx_unit_bits(w_b, i) * w_b_s[i // 2][None, :]
+                acc_b = tl.dot(a, q_b, acc_b)
             if TILE_M2 > 0:
                 a2 = tl.load(a2_ptrs + offset, mask=rows2[:, None] & chunk_ok[None, :], other=0.0)
-                gate2 = tl.dot(a2, gate_q, gate2)
-                up2 = tl.dot(a2, up_q, up2)
-    return acc_gate, acc_up, gate2, up2
+                acc2 = tl.dot(a2, q, acc2)
+                if TWO:
+                    acc2_b = tl.dot(a2, q_b, acc2_b)
+    return acc, acc_b, acc2, acc2_b
 
 
 @triton.jit
-def _mx_unit_quarter(units, scales, QUARTER: tl.constexpr):
-    """fp16 `[MX_UNIT_ROWS, N]`: quarter QUARTER of a chunk's units (`[MX_UNIT_ROWS, N]` int16) times
-    their e8m0 `scales` (`[N]`). Its codes' magnitudes shifted to fp16's exponent and mantissa
-    (bits 9..11) and signs to bit 15 are the values times 2^-14, exact; the scale times 2^14
-    as fp16, 2^(s - 113), exact for e8m0 104..128 (layout.MX_UNIT_SCALES), finishes them.
-    Scales are clamped into that range: the layout refused any other but an all-zero group's."""
-    held = tl.minimum(tl.maximum(scales.to(tl.int16), MX_UNIT_LEAST), MX_UNIT_MOST)
-    scale = ((held - MX_UNIT_SCALE_BIAS) << 10).to(tl.float16, bitcast=True)
-    return _mx_unit_bits(units, QUARTER) * scale[None, :]
+def _mx_unit_scales(ptrs, ok):
+    """The e8m0 scales at `ptrs` (`[N]`, a chunk's first group) and the next (its second) as fp16
+    multipliers of _mx_unit_bits' values: 2^(s - 113), exact for e8m0 104..128
+    (layout.MX_UNIT_SCALES); scales are clamped into that range (the layout refused any other
+    but an all-zero group's)."""
+    first = tl.load(ptrs, mask=ok, other=layout.E8M0_BIAS).to(tl.int16)
+    second = tl.load(ptrs + 1, mask=ok, other=layout.E8M0_BIAS).to(tl.int16)
+    return _mx_unit_multiplier(first), _mx_unit_multiplier(second)
+
+
+@triton.jit
+def _mx_unit_multiplier(scale):
+    held = tl.minimum(tl.maximum(scale, MX_UNIT_LEAST), MX_UNIT_MOST)
+    return ((held - MX_UNIT_SCALE_BIAS) << 10).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _mx_unit_bits(units, QUARTER: tl.constexpr):
-    """fp16 values of quarter QUARTER of mx_units `units` (int16), times 2^-14 (_mx_unit_quarter)."""
+    """fp16 `[MX_UNIT_ROWS, N]`: quarter QUARTER of a chunk's units (`[MX_UNIT_ROWS, N]` int16),
+    its codes' magnitudes shifted to fp16's exponent and mantissa (bits 9..11) and signs to bit
+    15: the values times 2^-14, exact (_mx_unit_scales' multipliers finish them)."""
     bits = ((units << (9 - 3 * QUARTER)) & 0x0E00) | ((units << (3 - QUARTER)) & -0x8000)
     return bits.to(tl.float16, bitcast=True)
 
@@ -1010,8 +1051,12 @@ def down_kernel(
                                                   num_padded_ptr, BLOCK_M, TILE_M)  # a whole block: its first tile
     if expert < 0:
         return
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_K // PACK)  # mxfp4: packed K
+    if PACK == MX_UNIT_PACK:  # a quarter of a 64-K chunk a load, a chunk's units (_mx_units_step)
+        offs_k = tl.arange(0, MX_UNIT_QUARTER)
+        offs_kw = tl.arange(0, MX_UNIT_ROWS)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_kw = tl.arange(0, BLOCK_K // PACK)  # mxfp4: packed K
     a_ptrs = a_ptr + buffer_rows[:, None] * stride_am + offs_k[None, :]
     a_scale_ptrs = a_scale_ptr + buffer_rows.to(tl.int64) * stride_asm
     routes2, rows2, a2_ptrs, a2_scale_ptrs = routes, rows, a_ptrs, a_scale_ptrs  # stand-ins: no second tile
@@ -1035,26 +1080,33 @@ def down_kernel(
         k = step % k_steps
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hidden
-        k_ok = offs_k < inter - k * BLOCK_K
-        a = tl.load(a_ptrs + k * BLOCK_K, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:  # rows past the expert's H only feed masked columns
-            w = desc.load([expert * hidden + tile * BLOCK_N, k * BLOCK_K]).T
-        elif MX_WORDS:
-            words, words_ok = _mx_word_offsets(offs_n, k, inter, BLOCK_K)
-            w = tl.load(w_expert + words, mask=n_ok[:, None, None] & words_ok, other=0)
+        if PACK == MX_UNIT_PACK:
+            w_units = w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None]
+            acc, _, acc2, _ = _mx_units_step(acc, acc, acc2, acc2, a_ptrs + k * BLOCK_K, a2_ptrs + k * BLOCK_K, rows,
+                                             rows2, w_units, scale_base + offs_n * stride_sn, n_ok, k, inter, 0, 0,
+                                             False, TILE_M2, BLOCK_K)
         else:
-            w_ok = (offs_kw < (inter - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
-            w = tl.load(w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None],
-                        mask=w_ok, other=0.0)
-        a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
-        w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE, MX_WORDS)
-        if MX_WORDS:
-            w = _mx_decode(w, w_scale)
-        acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
-        if TILE_M2 > 0:
-            a2 = tl.load(a2_ptrs + k * BLOCK_K, mask=rows2[:, None] & k_ok[None, :], other=0.0)
-            a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
-            acc2 = _mma_step(acc2, a2, a2_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
+            k_ok = offs_k < inter - k * BLOCK_K
+            a = tl.load(a_ptrs + k * BLOCK_K, mask=rows[:, None] & k_ok[None, :], other=0.0)
+            if W_DESC:  # rows past the expert's H only feed masked columns
+                w = desc.load([expert * hidden + tile * BLOCK_N, k * BLOCK_K]).T
+            elif MX_WORDS:
+                words, words_ok = _mx_word_offsets(offs_n, k, inter, BLOCK_K)
+                w = tl.load(w_expert + words, mask=n_ok[:, None, None] & words_ok, other=0)
+            else:
+                w_ok = (offs_kw < (inter - k * BLOCK_K) // PACK)[:, None] & n_ok[None, :]
+                w = tl.load(w_expert + offs_n[None, :] * stride_wn + (k * (BLOCK_K // PACK) + offs_kw)[:, None],
+                            mask=w_ok, other=0.0)
+            a, a_scale = _activation_step(a, a_scale_ptrs + k, rows, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M)
+            w_scale = _step_scales(scale_base, offs_n, n_ok, k, inter, stride_sn, W_QUANT, BLOCK_K, ONE_SCALE, MX_WORDS)
+            if MX_WORDS:
+                w = _mx_decode(w, w_scale)
+            acc = _mma_step(acc, a, a_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT, MX_DEQUANT)
+            if TILE_M2 > 0:
+                a2 = tl.load(a2_ptrs + k * BLOCK_K, mask=rows2[:, None] & k_ok[None, :], other=0.0)
+                a2, a2_scale = _activation_step(a2, a2_scale_ptrs + k, rows2, W_QUANT, FP8, FP8_MAX, A_FP8, TILE_M2)
+                acc2 = _mma_step(acc2, a2, a2_scale, w, w_scale, W_QUANT, A_FMT, ONE_SCALE, MX_WORDS, W_LEFT,
+                                 MX_DEQUANT)
         if k == k_steps - 1:
             _down_store(acc, route_weight, routes, rows, offs_n, n_ok, scale_base, out_ptr, stride_sn, stride_om,
                         W_QUANT)
@@ -1212,8 +1264,8 @@ def down_tiny_kernel(
     hidden, inter, top_k,
     stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_ps,
     HAS_MAP: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, W_QUANT: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ROUTE_SPLIT: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, A_TOKEN: tl.constexpr, MX_WORDS: tl.constexpr, MX_UNITS: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ROUTE_SPLIT: tl.constexpr,
 ):
     """Tiny mode: out[t, n] = sum_j w_tj * (act(route t*k+j) @ w2[e_tj]^T). Matrix-vector
     products for all k routes of token t at once (their weight tiles load together) with
@@ -1221,7 +1273,8 @@ def down_tiny_kernel(
     buffer, no extra launch. w8a8 quantises the activation per 128-wide group (a K step of
     BLOCK_K holds one or more), or with A_TOKEN per route over all of I (a first pass over the
     partials finds each route's max).
-    mxfp4 as packed bytes (_mx_products) or mx_words (MX_WORDS, decoded like bf16 rows).
+    mxfp4 as packed bytes (_mx_products), mx_words (MX_WORDS, decoded like bf16 rows) or
+    mx_units (MX_UNITS, as the gemv gate/up: _mx_units_products).
     ROUTE_SPLIT > 1: the token's routes shared by that many programs (program_id(2)), K_PAD
     each; each stores its fp32 sum at `partials[split, t, n]` and the last of them to arrive
     (_last_to_arrive) adds them up in order: more programs at once where one token's H /
@@ -1258,7 +1311,17 @@ def down_tiny_kernel(
             rows_n = tl.reshape(tl.broadcast_to(offs_n[None, :], [K_PAD, BLOCK_N]), [K_PAD * BLOCK_N])
             rows_ok = tl.reshape(w_ok, [K_PAD * BLOCK_N])
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if W_QUANT == W_MXFP4 and not MX_WORDS:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high
+        if W_QUANT == W_MXFP4 and MX_UNITS:
+            offs_u = tl.arange(0, BLOCK_K // MX_UNIT_PACK)
+            u_ok = (offs_u < (inter - k * BLOCK_K) // MX_UNIT_PACK)[None, None, :]  # whole chunks: I is
+            units = tl.load(w_rows + k * (BLOCK_K // MX_UNIT_PACK) + offs_u[None, None, :], mask=w_ok & u_ok, other=0)
+            s_first, s_second = _mx_units_scales_fp32(scale_rows, w_ok, k, inter, BLOCK_K)
+            await_previous(PDL)
+            x_units = act_ptr + routes[:, None, None] * inter + _mx_units_k(k, BLOCK_K)[None, None, :]
+            first, second = _mx_units_products(units, x_units, here[:, None, None] & u_ok)
+            sums = _mx_units_group_sums(first, second, s_first, s_second, K_PAD * BLOCK_N, BLOCK_K)
+            acc += tl.reshape(tl.sum(sums, axis=1), [K_PAD, BLOCK_N])
+        elif W_QUANT == W_MXFP4 and not MX_WORDS:  # BLOCK_K / 2 bytes: even k in the low nibbles, odd k in the high
             offs_b = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             b_ok = w_ok & (offs_b < inter // 2)[None, None, :]
             packed = tl.load(w_rows + offs_b[None, None, :], mask=b_ok, other=0)

@@ -429,7 +429,7 @@ def down(
         tiles_m, w2.shape[0], layer.shape.hidden, layer.shape.inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0),
         WEIGHT_ON_INPUT=layer.weight_on_input, W_QUANT=layer.w_quant,
-        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.pack,
+        FP8=fp8, FP8_MAX=fp8_max, A_FP8=a_fp8, A_FMT=a_fmt, PACK=layer.down_pack,
         MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant, W_DESC=_descriptors(step, w2),
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
         N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=step.tile_m2, BLOCK_N=cfg.block_n,
@@ -487,7 +487,8 @@ def down_tiny(
         layer.shape.hidden, layer.shape.inter, layer.shape.top_k,
         w2.stride(0), w2.stride(1), stride_se, stride_sn, out.stride(0), out.numel(),
         HAS_MAP=expert_map is not None, WEIGHT_ON_INPUT=layer.weight_on_input,
-        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words, PDL=pdl,
+        W_QUANT=layer.w_quant, FP8=fp8, FP8_MAX=fp8_max, A_TOKEN=layer.per_token, MX_WORDS=layer.mx_words,
+        MX_UNITS=layer.down_units, PDL=pdl,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_PAD=routes, ROUTE_SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
@@ -574,7 +575,8 @@ def fused_experts(
         down_tiny(tiny.act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, plan, out)
         return out
     alignment = align(topk_ids, expert_map, layer.shape.experts, plan.block_m)
-    act = torch.empty(alignment.num_blocks * plan.block_m, inter, dtype=x.dtype, device=x.device)
+    act_dtype = torch.float16 if layer.down_units else x.dtype  # mx_units' dots: fp16 (bounded: plan.Layer)
+    act = torch.empty(alignment.num_blocks * plan.block_m, inter, dtype=act_dtype, device=x.device)
     gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, act)
     down_and_sum(act, w2, w2_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, out)
     return out

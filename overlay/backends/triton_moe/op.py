@@ -25,7 +25,7 @@ def triton_experts(
 ) -> torch.Tensor:
     from .launch import Layer, fused_experts
 
-    layer = Layer.of(x, w13, topk_ids.shape[1], activation, activation_params, weight_on_input, granularity or None,
+    layer = Layer.of(x, w13, w2, topk_ids.shape[1], activation, activation_params, weight_on_input, granularity or None,
                      per_token)
     return fused_experts(layer, x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map)
 

@@ -66,34 +66,37 @@ class Layer:
     granularity: str | None = None  # fp8 weight scales: tensor, channel or block
     per_token: bool = False  # w8a8 activations: a dynamic scale per token (row), not per 1x128 group
     mx_words: bool = False  # mxfp4 recoded into int32 words (layout.mx_words), not packed bytes
-    mx_units: bool = False  # mxfp4 gate/up weights as int16 units (layout.mx_units), the down's packed bytes
+    mx_units: bool = False  # mxfp4 gate/up weights as int16 units (layout.mx_units), not packed bytes
+    down_units: bool = False  # mxfp4 down weights as int16 units, its input fp16 (launch.fused_experts)
 
     @classmethod
-    def of(cls, x: torch.Tensor, w13: torch.Tensor, top_k: int, activation: str, params: list[float],
-           weight_on_input: bool, granularity: str | None, per_token: bool = False) -> Layer:
+    def of(cls, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, activation: str,
+           params: list[float], weight_on_input: bool, granularity: str | None, per_token: bool = False) -> Layer:
         weights = weights_tag(w13.dtype, granularity if w13.dtype in FP8_TL else None)
         shape = LayerShape(w13.shape[0], x.shape[1], w13.shape[1] // 2, top_k, weights)
         beta, linear_beta = params if activation == "situ" else (1.0, 1.0)
         return cls(shape, activation, beta, linear_beta, weight_on_input, granularity, per_token,
-                   w13.dtype == torch.int32, w13.dtype == torch.int16)
+                   w13.dtype == torch.int32, w13.dtype == torch.int16, w2.dtype == torch.int16)
 
     @property
     def w_quant(self) -> object:
         """The kernels' W_QUANT: fp8 by scale granularity, or mxfp4."""
         return kernels.W_MXFP4 if self.shape.weights == "mxfp4" else W_QUANT[self.granularity]
 
-    @property
-    def pack(self) -> int:
-        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word):
-        the down's, and the gate/up's but for mx_units (gate_up_pack)."""
+    def pack(self, units: bool) -> int:
+        """Weight values per stored element along K (mxfp4: two e2m1 per byte, eight per word,
+        four per unit) of the gate/up's weights (`units`: mx_units) or the down's (down_units)."""
         if self.shape.weights != "mxfp4":
             return 1
-        return 8 if self.mx_words else 2
+        return kernels.MX_UNIT_PACK.value if units else 8 if self.mx_words else 2
 
     @property
     def gate_up_pack(self) -> int:
-        """`pack` of the gate/up weights: four e2m1 an int16 unit where they are mx_units."""
-        return kernels.MX_UNIT_PACK.value if self.mx_units else self.pack
+        return self.pack(self.mx_units)
+
+    @property
+    def down_pack(self) -> int:
+        return self.pack(self.down_units)
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,7 @@ def _gluon(cfg: KernelConfig, target: Target) -> bool:
 
 def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:
     cfg = config.gate_up
-    if layer.mx_units and cfg.block_k % kernels.MX_UNIT_K.value:
-        raise ValueError(f"mx_units gate/ups step whole {kernels.MX_UNIT_K.value}-K chunks, not block_k "
-                         f"{cfg.block_k}: {cfg}")
+    _refuse_units_steps(layer.mx_units, cfg)
     if tiny and cfg.gemv:
         return Step(GEMV, cfg)
     first = (not tiny or layer.per_token) and quantise_first(layer, cfg.block_k)
@@ -206,6 +207,7 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
 
 def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Step:
     cfg = config.down
+    _refuse_units_steps(layer.down_units, cfg)
     if tiny:
         routes, _ = tiny_route_split(layer.shape.top_k, cfg.split_k)
         gluon = (layer.mx_words and _gluon(cfg, target) and routes <= TINY_DOWN_COLUMNS
@@ -221,8 +223,16 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
     tile_m, tile_m2 = down_tiles(config.block_m, cfg.whole_block)
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
                 weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
-                descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.pack == 1),
-                kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg), tile_m2=tile_m2)
+                descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.down_pack == 1),
+                kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg) and not layer.down_units,
+                tile_m2=tile_m2)
+
+
+def _refuse_units_steps(units: bool, cfg: KernelConfig) -> None:
+    """ValueError where a GEMM of mx_units weights would step K by other than whole 64-K chunks."""
+    if units and cfg.block_k % kernels.MX_UNIT_K.value:
+        raise ValueError(f"mx_units weights step whole {kernels.MX_UNIT_K.value}-K chunks, not block_k "
+                         f"{cfg.block_k}: {cfg}")
 
 
 def _gluon_block_fp8_fits(layer: Layer, config: LaunchConfig) -> bool:

@@ -382,7 +382,8 @@ class Problem:
         self.tensors = to_layout(canonical, spec, TritonBackend().layout_for(spec, platform or Platform.of(device)))
         self.inputs = random_calls(point.tokens, spec, device, routings, seed=100)
         act = spec.activation
-        self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], spec.top_k, act.kind, list(act.params),
+        self.layer = launch.Layer.of(self.inputs[0][0], self.tensors["w13"], self.tensors["w2"],
+                                     spec.top_k, act.kind, list(act.params),
                                      spec.apply_router_weight_on_input, spec.quant.granularity,
                                      spec.quant.activations == "fp8_token")
         self.tiny = is_tiny(point.tokens, spec.top_k)
