@@ -51,7 +51,7 @@ def test_the_mxfp4_layout_can_be_asked_for_to_measure_the_other_one(monkeypatch)
     assert not target.stand_in(nvidia_target(90), "NVIDIA H200").mx_words
     monkeypatch.setenv(MX_LAYOUT_ENV, "units")
     units = target.stand_in(replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200"), "NVIDIA H200")
-    assert units.mx_units and not units.mx_words and "gate/up units" in units.describe()
+    assert units.mx_units and not units.mx_words and "mxfp4 as units" in units.describe()
     assert target.platform_target("cpu", "", "").mx_units  # the interpreter's too
     monkeypatch.setenv(MX_LAYOUT_ENV, "nibbles")
     with pytest.raises(ValueError, match=f"{MX_LAYOUT_ENV}='nibbles' is not an mxfp4 layout"):

@@ -104,7 +104,7 @@ def _read_dot_kernel(src_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, I
     ones = tl.full([16, ROWS], 1, tl.int8)
     acc = tl.zeros([16, COLS], dtype=tl.int32)
     for i in range(ITERS):
-        acc = tl.dot(ones, tl.load(src_ptr + (first + i * ROWS) * COLS + offs), acc)
+        acc = tl.dot(ones, tl.load(src_ptr + (first + i * ROWS) * COLS + offs), acc, out_dtype=tl.int32)
     tl.store(out_ptr + tl.program_id(0) * COLS + tl.arange(0, COLS), tl.max(acc, 0))
 
 

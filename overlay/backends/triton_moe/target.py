@@ -71,7 +71,8 @@ class Target:
         return (self.arch,) if self.vendor == "amd" else ()
 
     def describe(self) -> str:
-        kind = ("words" if self.mx_words else "gate/up units, down packed bytes" if self.mx_units
+        kind = ("words" if self.mx_words
+                else "units (the down's packed bytes unless SiTU bounds its input)" if self.mx_units
                 else "packed bytes (tl.dot_scaled)")
         where = f"stood in for by {self.stands_in}" if self.stands_in else "this GPU"
         nvidia = "Gluon, PDL, tensor descriptors" if self.hopper else "no NVIDIA-only kernels"

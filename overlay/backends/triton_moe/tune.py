@@ -337,9 +337,8 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
             gate_ups += gluon_mx_candidates()
             downs += gluon_mx_down_candidates()
         elif point.shape.weights == "mxfp4" and not (target.mx_words or target.fp4_instructions) \
-                and b >= MX_DEQUANT_BLOCK_M:
-            if not target.mx_units:  # mx_units gate/ups have their own decode (plan._gate_up_step)
-                gate_ups += [replace(c, mx_dequant=True) for c in gate_ups]
+                and b >= MX_DEQUANT_BLOCK_M and not target.mx_units:  # units have their own decode (plan.py)
+            gate_ups += [replace(c, mx_dequant=True) for c in gate_ups]
             downs += [replace(c, mx_dequant=True) for c in downs]
         cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
     return cands
