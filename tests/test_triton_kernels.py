@@ -195,23 +195,21 @@ def test_mxfp4_gate_up_units_match_the_dequantising_reference(spec, entry, tmp_p
     """MOE_OVERLAY_TRITON_MX_LAYOUT=units: the gate/up's weights as int16 units (layout.mx_units),
     fp16 quarter dots of activations made fp16 a row (launch.fp16_rows), or the gemv's fp32
     products; the down's too after SiTU (fp16 dots of its fp16 output, or tiny mode's fp32
-    products), after SiLU packed bytes; within mxfp4's error of the reference, and of the
-    packed bytes' output."""
+    products), after SiLU packed bytes; within mxfp4's error of the reference. (Not within a
+    tighter bound of the packed bytes' output: in bf16, SiTU's activations kept in fp16 put
+    sorted-k128 5e-3 from it, 6e-3 from the reference where the bytes are 9e-3.)"""
     config, m = UNITS_ENTRIES[entry]
     (tmp_path / "configs.json").write_text(json.dumps({"devices": {_table_key(): {
         LayerShape.of(spec).key: {str(m): config}}}}))
     monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
-    monkeypatch.setenv(MX_LAYOUT_ENV, "bytes")
-    _, packed, _ = _check(spec, m, tol=1e-2)
     monkeypatch.setenv(MX_LAYOUT_ENV, "units")
     steps = _plan(spec, m)
     assert steps.tiny == entry.startswith("tiny") and steps.target.mx_units
     assert steps.gate_up.kernel == (plan.GEMV if "gemv" in entry else plan.GATE_UP)
-    prepared, out, _ = _check(spec, m, tol=1e-2)
+    prepared, _, _ = _check(spec, m, tol=1e-2)
     units = ("w13", "w2") if spec.activation.kind == "situ" else ("w13",)  # SiTU bounds the down's fp16 input
     assert prepared.layout.mx_units == units and prepared.tensors["w13"].dtype == torch.int16
     assert prepared.tensors["w2"].dtype == (torch.int16 if "w2" in units else torch.uint8)
-    assert relative_error(out, packed) < 1e-3
 
 
 @needs_device
