@@ -770,6 +770,32 @@ def test_tune_point_ranks_each_split_and_gate_up_kind_then_keeps_the_fastest_lay
     assert said == [f"timed {n}/5 kernels" for n in (1, 2, 3, 4, 5)]
 
 
+def test_tune_point_that_nothing_ran_at_says_why(monkeypatch):
+    """Every candidate failing (here at its launch): the error names the point and the
+    commonest causes, counted."""
+    from moe_overlay.backends.triton_moe import tune
+
+    point = points_from_args(_parse(["tune", "--model", "Kimi-K3", "--weights", "mxfp4", "--tokens", "16"]))[0]
+
+    def refuse(cfg):
+        raise ValueError(f"line one\nblock_k {cfg.block_k} refused")
+
+    class FailingProblem:
+        tiny = True
+
+        def __init__(self, point, routings, random):
+            pass
+
+        def runners(self, block_m):
+            return refuse, refuse
+
+    monkeypatch.setattr(tune, "Problem", FailingProblem)
+    cfgs = [configs.KernelConfig(16, k, 4, 1) for k in (64, 64, 128)]
+    with pytest.raises(RuntimeError, match=r"^no candidate launch configuration ran for Kimi-K3 mxfp4 M=16; "
+                                           r"3 x ValueError: block_k 64 refused; 2 x ValueError: block_k 128 refused$"):
+        tune.tune_point(point, [tune.Candidates(16, cfgs, [cfgs[0], cfgs[2]])], H200)
+
+
 def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(monkeypatch):
     from moe_overlay.backends.triton_moe import tune
 
@@ -779,20 +805,20 @@ def test_tuner_tries_descriptors_on_the_leaders_and_keeps_them_only_when_faster(
         seconds[replace(c, descriptors=True)] = s + 0.5
     timed = []
 
-    def fake_timed(run, cfgs):
+    def fake_timed(run, cfgs, errors):
         timed.append(list(cfgs))
         return sorted(((c, seconds[c]) for c in cfgs), key=lambda r: r[1])
 
     monkeypatch.setattr(tune, "_timed", fake_timed)
-    assert tune._fastest(None, plain, descriptors=True) == (plain[1], 2.0)  # descriptors slower: kept plain
+    assert tune._fastest(None, plain, descriptors=True, errors=[]) == (plain[1], 2.0)  # descriptors slower: kept plain
     leaders = [plain[1], plain[4], plain[2]]
     assert timed == [plain, [replace(c, descriptors=True) for c in leaders]]  # the 3 fastest tried again
     seconds[replace(plain[2], descriptors=True)] = 1.8  # third without, first with
-    assert tune._fastest(None, plain, descriptors=True) == (replace(plain[2], descriptors=True), 1.8)
+    assert tune._fastest(None, plain, descriptors=True, errors=[]) == (replace(plain[2], descriptors=True), 1.8)
     timed.clear()
-    assert tune._fastest(None, plain, descriptors=False) == (plain[1], 2.0)
+    assert tune._fastest(None, plain, descriptors=False, errors=[]) == (plain[1], 2.0)
     assert timed == [plain]
-    assert tune._fastest(None, [], descriptors=True) is None
+    assert tune._fastest(None, [], descriptors=True, errors=[]) is None
     entry = {**_entry(128), "down": {**_entry(128)["down"], "descriptors": True}}
     config = configs.LaunchConfig.from_json(entry)
     assert config.down.descriptors and not config.gate_up.descriptors

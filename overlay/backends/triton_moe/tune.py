@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -444,9 +444,9 @@ def compile_tasks(plan: list[tuple[Point, list[Candidates]]]) -> list[tuple[Poin
     return tasks
 
 
-def _compile(task: tuple[Point, int, list[Kernel]]) -> tuple[int, list[Kernel]]:
-    """Worker: compile some kernels of one point into Triton's disk cache: (failures, the
-    kernels an AMD target cannot take). On an AMD target each is also compiled for it with
+def _compile(task: tuple[Point, int, list[Kernel]]) -> tuple[list[str], list[Kernel]]:
+    """Worker: compile some kernels of one point into Triton's disk cache: (why each that
+    failed did, the kernels an AMD target cannot take). On an AMD target each is also compiled for it with
     Triton's AMD backend (no AMD GPU needed), and one that spills registers or needs more LDS
     than the target has is named, for the timing pass to leave out: the GPU standing in would
     run it at a speed the target cannot reach."""
@@ -455,15 +455,22 @@ def _compile(task: tuple[Point, int, list[Kernel]]) -> tuple[int, list[Kernel]]:
     point, block_m, kernels = task
     experts = min(point.spec.num_experts, COMPILE_EXPERTS * point.spec.top_k)  # less memory per process
     small = replace(point, spec=replace(point.spec, num_experts=experts))
-    failures = 0
+    failures = []
     with compile_only():
         gate_up, down = Problem(small, 1, random=False).runners(block_m)
         for kind, cfg in kernels:
             try:
                 (gate_up if kind == "gate_up" else down)(cfg)
-            except Exception:  # e.g. out of shared memory: the timing pass skips it too
-                failures += 1
+            except Exception as err:  # e.g. out of shared memory: the timing pass skips it too
+                failures.append(_why(err))
     return failures, _amd_rejects(small, block_m, kernels)
+
+
+def _why(err: Exception) -> str:
+    """An exception's type and the last line of its message (Triton's compile errors end with
+    the cause), short enough to print."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1][:300] if lines else ''}"
 
 
 def amd_checked(target: Target) -> bool:
@@ -500,8 +507,10 @@ def _amd_rejects(point: Point, block_m: int, kernels: list[Kernel]) -> list[Kern
     return rejects
 
 
-def _timed(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) -> list[tuple[KernelConfig, float]]:
-    """The configs that run, with their seconds for all routings, fastest first."""
+def _timed(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig],
+           errors: list[str] | None = None) -> list[tuple[KernelConfig, float]]:
+    """The configs that run, with their seconds for all routings, fastest first; why each
+    other did not, appended to `errors`."""
     from .timing import graph_replay_seconds
 
     timed = []
@@ -509,22 +518,23 @@ def _timed(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig]) ->
         try:
             timed.append((cfg, graph_replay_seconds(lambda cfg=cfg: run(cfg), replays=5, warmup_s=0.01,
                                                     min_timed_s=0.005)))
-        except Exception:
-            continue
+        except Exception as err:
+            if errors is not None:
+                errors.append(_why(err))
     return sorted(timed, key=lambda r: r[1])
 
 
 def _fastest(run: Callable[[KernelConfig], None], cfgs: Sequence[KernelConfig],
-             descriptors: bool) -> tuple[KernelConfig, float] | None:
+             descriptors: bool, errors: list[str]) -> tuple[KernelConfig, float] | None:
     """The fastest config that runs, or None when none does. With `descriptors`, the
     DESCRIPTOR_TRIES fastest are also timed with their weight tiles read through tensor
     descriptors: which is faster depends on the point (on an H200 descriptors made M=8192
     layers 2-9% faster and one-token layers up to 3% slower, and favoured other warp counts),
     and trying only the leaders keeps the search from doubling."""
-    timed = _timed(run, cfgs)
+    timed = _timed(run, cfgs, errors)
     if descriptors and timed:
-        timed = sorted(timed[:1] + _timed(run, [replace(c, descriptors=True) for c, _ in timed[:DESCRIPTOR_TRIES]]),
-                       key=lambda r: r[1])
+        tries = [replace(c, descriptors=True) for c, _ in timed[:DESCRIPTOR_TRIES]]
+        timed = sorted(timed[:1] + _timed(run, tries, errors), key=lambda r: r[1])
     return timed[0] if timed else None
 
 
@@ -535,6 +545,7 @@ def tune_point(point: Point, cands: list[Candidates], target: Target) -> tuple[L
     descriptors = target.hopper and not problem.tiny  # tensor descriptors: Hopper's, in sorted mode
     pairs: list[tuple[LaunchConfig, float]] = []
     kinds: list[str] = []
+    errors: list[str] = []  # why candidates did not run
     total, done, started, said = sum(len(c.gate_up) + len(c.down) for c in cands), 0, time.time(), time.time()
 
     def us(seconds: float) -> str:
@@ -556,11 +567,11 @@ def tune_point(point: Point, cands: list[Candidates], target: Target) -> tuple[L
             kind = point.shape.down_kind(d)
             by_kind.setdefault(f"{kind}/{d.n_split}" if d.n_split else kind, []).append(d)
         downs = {k: r for k, ds in by_kind.items()  # mxfp4 tiles are read by plain loads
-                 if (r := _fastest(down, ds, descriptors and point.shape.weights != "mxfp4"))}
+                 if (r := _fastest(down, ds, descriptors and point.shape.weights != "mxfp4", errors))}
         count_timed(len(c.down))
         for split, gemv in sorted({(g.split_k, g.gemv) for g in c.gate_up}):
             group = [g for g in c.gate_up if (g.split_k, g.gemv) == (split, gemv)]
-            gu = _fastest(gate_up, group, descriptors and point.shape.interleaved)
+            gu = _fastest(gate_up, group, descriptors and point.shape.interleaved, errors)
             count_timed(len(group))
             if gu is None or not downs:
                 continue
@@ -569,7 +580,8 @@ def tune_point(point: Point, cands: list[Candidates], target: Target) -> tuple[L
                          "down " + ", ".join(f"{k} {us(s)}" for k, (_, s) in downs.items()))
             pairs.append((LaunchConfig(c.block_m, gu[0], down_cfg), gu[1] + down_s))
     if not pairs:
-        raise RuntimeError(f"no candidate launch configuration ran for {point.name} M={point.tokens}")
+        raise RuntimeError(f"no candidate launch configuration ran for {point.name} M={point.tokens}"
+                           + "".join(f"; {n} x {why}" for why, n in Counter(errors).most_common(3)))
     if problem.tiny and not (pairs := _with_pdl(problem, _leaders(pairs), kinds, target)):
         raise RuntimeError(f"no one-token layer ran for {point.name} M={point.tokens}")
     best = min(pairs, key=lambda r: r[1])
@@ -636,18 +648,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"  this Triton has no AMD backend: nothing is compiled for {target.arch}; make amd-report checks "
               "the entries", flush=True)
     started = time.time()
-    failed = 0
+    failed: Counter[str] = Counter()  # why kernels failed to compile
     left_out: dict[tuple[str, int, int], set[Kernel]] = defaultdict(set)  # (point, tokens, block_m): kernels
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = zip(tasks, pool.map(_compile, tasks), strict=True)
         for done, ((point, block_m, _), (failures, rejects)) in enumerate(results, 1):
-            failed += failures
+            failed.update(failures)
             left_out[point.name, point.tokens, block_m].update(rejects)
             if done % 10 == 0 or done == len(tasks):
                 count = sum(map(len, left_out.values()))
-                print(f"  compiled {done}/{len(tasks)} tasks ({failed} kernels failed"
+                print(f"  compiled {done}/{len(tasks)} tasks ({failed.total()} kernels failed"
                       + (f", {count} left out for {target.arch}" if amd_checked(target) else "")
                       + f") [{time.time() - started:.0f}s]", flush=True)
+    for why, n in failed.most_common(3):
+        print(f"  {n} failed with {why}", flush=True)
     plan = [(p, [_without(c, left_out.get((p.name, p.tokens, c.block_m), set())) for c in cands])
             for p, cands in plan]
     table: dict[str, Any] = read_file(out) if out.exists() else {}
