@@ -726,8 +726,8 @@ def _mx_unit_scales(ptrs, ok):
 
 @triton.jit
 def _mx_unit_multiplier(scale):
-    held = tl.minimum(tl.maximum(scale, MX_UNIT_LEAST), MX_UNIT_MOST)
-    return ((held - MX_UNIT_SCALE_BIAS) << 10).to(tl.float16, bitcast=True)
+    held = tl.minimum(tl.maximum(scale, MX_UNIT_LEAST), MX_UNIT_MOST)  # (Triton 3.6 widens to int32 here)
+    return ((held - MX_UNIT_SCALE_BIAS) << 10).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -736,7 +736,7 @@ def _mx_unit_bits(units, QUARTER: tl.constexpr):
     its codes' magnitudes shifted to fp16's exponent and mantissa (bits 9..11) and signs to bit
     15: the values times 2^-14, exact (_mx_unit_scales' multipliers finish them)."""
     bits = ((units << (9 - 3 * QUARTER)) & 0x0E00) | ((units << (3 - QUARTER)) & -0x8000)
-    return bits.to(tl.float16, bitcast=True)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

@@ -575,8 +575,7 @@ def fused_experts(
         down_tiny(tiny.act, w2, w2_scale, topk_weights, topk_ids, expert_map, layer, plan, out)
         return out
     alignment = align(topk_ids, expert_map, layer.shape.experts, plan.block_m)
-    act_dtype = torch.float16 if layer.down_units else x.dtype  # mx_units' dots: fp16 (bounded: plan.Layer)
-    act = torch.empty(alignment.num_blocks * plan.block_m, inter, dtype=act_dtype, device=x.device)
+    act = torch.empty(alignment.num_blocks * plan.block_m, inter, dtype=layer.act_dtype(x.dtype), device=x.device)
     gate_up(x, w13, w13_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, act)
     down_and_sum(act, w2, w2_scale, topk_weights, topk_ids, expert_map, alignment, layer, plan, out)
     return out

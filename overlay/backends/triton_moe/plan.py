@@ -98,6 +98,11 @@ class Layer:
     def down_pack(self) -> int:
         return self.pack(self.down_units)
 
+    def act_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Sorted mode's gate/up output, the down's input, for activations of `dtype`: fp16 for
+        down_units' fp16 dots (SiTU bounds it), else `dtype`."""
+        return torch.float16 if self.down_units else dtype
+
 
 @dataclass(frozen=True)
 class Step:

@@ -403,7 +403,8 @@ class Problem:
             for tiny in acts:
                 tiny.act.zero_()
         else:
-            acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=spec.dtype, device=self.device) for a in aligns]
+            acts = [torch.zeros(a.num_blocks * block_m, inter, dtype=layer.act_dtype(spec.dtype), device=self.device)
+                    for a in aligns]
         outs = [torch.empty(self.point.tokens, hidden, dtype=spec.dtype, device=self.device) for _ in self.inputs]
 
         def gate_up(cfg: KernelConfig) -> None:
