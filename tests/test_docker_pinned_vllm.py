@@ -4,21 +4,11 @@ node parses, its MoE layers' quant method is mapped, and every hook of the ledge
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.lanes import ROOT, assert_config_check, run_with, wheel_sources
-
-DOCKERFILE = ROOT / "docker" / "Dockerfile"
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-
-
-def pinned_version() -> str:
-    match = re.search(r"^ARG BASE_TAG=v(\d+\.\d+\.\d+)$", DOCKERFILE.read_text(), re.MULTILINE)
-    assert match, f"{DOCKERFILE}: no ARG BASE_TAG=vX.Y.Z"
-    return match.group(1)
+from tests.lanes import CONFIGS, assert_config_check, config_check, pinned_version, run_with, wheel_sources
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +16,8 @@ def pinned_sources() -> Path:
     return wheel_sources(pinned_version())
 
 
-def test_every_config_parses_with_the_images_vllm(pinned_sources):
-    run = run_with(pinned_sources, ["-m", "moe_overlay.cli", "config", "check", *map(str, CONFIGS)])
+def test_every_config_parses_with_the_images_vllm():
+    run = config_check(pinned_version())
     assert run.returncode == 0, run.stdout + run.stderr
     assert_config_check(run.stdout, CONFIGS, pinned_version())
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import ROOT, assert_config_check, run_with, wheel_sources
+from tests.lanes import CONFIGS, NEWEST, assert_config_check, config_check, run_with, wheel_sources
 
-VERSION = "0.33.0"
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+VERSION = NEWEST
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +18,8 @@ def sources() -> Path:
     return wheel_sources(VERSION)
 
 
-def test_config_check_names_every_configs_moe_quant_method(sources):
-    run = run_with(sources, ["-m", "moe_overlay.cli", "config", "check", *map(str, CONFIGS)])
+def test_config_check_names_every_configs_moe_quant_method():
+    run = config_check(VERSION)
     assert run.returncode == 0, run.stdout + run.stderr
     assert_config_check(run.stdout, CONFIGS, VERSION)
 
