@@ -12,7 +12,7 @@ from triton.backends import backends
 
 from moe_overlay.backends.problems import TOKEN_COUNTS, format_models
 from moe_overlay.backends.triton_moe.amd_report import FORMATS, Resources, main_loop, report
-from moe_overlay.backends.triton_moe.target import AMD_TARGETS
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, MX_LAYOUT_ENV
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
 
@@ -35,6 +35,18 @@ def test_no_launch_an_amd_target_runs_spills_or_overflows_its_lds():
     kpacks = {(r[0], r[1], r[2], r[4]): r[6] for r in rows if r[4] in ("gate_up_kernel", "down_kernel")}
     assert {k for (arch, *_), k in kpacks.items() if arch == "| gfx950"} == {"1"}
     assert {k for (arch, *_), k in kpacks.items() if arch == "| gfx942"} == {"2"}
+
+
+def test_the_shipped_units_entries_of_gfx942_compile_there_without_spills(monkeypatch):
+    """MOE_OVERLAY_TRITON_MX_LAYOUT=units reads gfx942's units entries (Kimi-K3's mxfp4 kept
+    apart from the packed bytes'), one an M bucket: each compiles for gfx942 with matrix
+    instructions in its GEMMs, nothing spills, LDS within 64 KiB."""
+    monkeypatch.setenv(MX_LAYOUT_ENV, "units")
+    table, problems = report(["gfx942"], ["mxfp4"], list(TOKEN_COUNTS))
+    assert problems == []
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert {(r[2], r[3]) for r in rows} == {(str(m), "tuned") for m in TOKEN_COUNTS}
+    assert all(int(r[12]) > 0 for r in rows if r[4] in ("gate_up_kernel", "down_kernel"))
 
 
 GCN = """\

@@ -28,7 +28,7 @@ from moe_overlay.backends.reference import reference_moe
 from moe_overlay.backends.triton_moe import backend as triton_backend
 from moe_overlay.backends.triton_moe import configs
 from moe_overlay.backends.triton_moe.bench import grouped_mm_experts, relative_error
-from moe_overlay.backends.triton_moe.target import AMD_TARGETS, INTERPRETER, nvidia_target
+from moe_overlay.backends.triton_moe.target import AMD_TARGETS, INTERPRETER, MX_LAYOUTS, nvidia_target
 from moe_overlay.backends.triton_moe.tune import (
     COMPILE_CHUNK,
     REG_BUDGET,
@@ -881,13 +881,22 @@ def test_bad_config_files_are_named(tmp_path):
         configs.read_file(tmp_path / "broken.json")
 
 
+def _shipped_shapes() -> dict[str, configs.LayerShape]:
+    """The shapes a shipped entry may be for, by key: the four models in each weight format,
+    mxfp4 in each layout that keeps entries of its own too."""
+    shapes = [configs.LayerShape.of(with_weights(m.spec, w)) for m in MODELS for w in WEIGHT_FORMATS]
+    return {s.key: s for s in shapes + [replace(s, layout=layout) for s in shapes if s.weights == "mxfp4"
+                                        for layout in MX_LAYOUTS]}
+
+
 def test_shipped_config_files_load_and_cover_the_four_models():
     """An NVIDIA device's table covers the four models; an AMD architecture's table holds only
-    shapes of the four models in some weight format, each with every token bucket."""
+    shapes of the four models in some weight format (mxfp4 in some layout), each with every
+    token bucket."""
     files = sorted(configs.SHIPPED_DIR.glob("*.json"))
     table = configs.load_table(files)
     assert files, "no shipped Triton launch configs"
-    known = {configs.LayerShape.of(with_weights(m.spec, w)).key for m in MODELS for w in WEIGHT_FORMATS}
+    known = set(_shipped_shapes())
     for device, shapes in table.items():
         if device in AMD_TARGETS:
             assert set(shapes) <= known, f"{device}: no model has {set(shapes) - known}"
@@ -905,8 +914,7 @@ def test_shipped_h200_entries_already_fit_the_h200():
     """Tuned entries were tuned within the chip's shared memory: fitting them changes nothing."""
     for device, shapes in configs.load_table(sorted(configs.SHIPPED_DIR.glob("*.json"))).items():
         for key, buckets in shapes.items():
-            shape = next(configs.LayerShape.of(with_weights(m.spec, w)) for m in MODELS for w in WEIGHT_FORMATS
-                         if configs.LayerShape.of(with_weights(m.spec, w)).key == key)
+            shape = _shipped_shapes()[key]
             for bucket in buckets:
                 config = configs._launch_config("", (device,), INTERPRETER, shape, int(bucket))
                 assert configs.fit_shared(config, shape, int(bucket), H200_SHARED) == config, (device, key, bucket)

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -199,8 +200,8 @@ def test_mxfp4_gate_up_units_match_the_dequantising_reference(spec, entry, tmp_p
     tighter bound of the packed bytes' output: in bf16, SiTU's activations kept in fp16 put
     sorted-k128 5e-3 from it, 6e-3 from the reference where the bytes are 9e-3.)"""
     config, m = UNITS_ENTRIES[entry]
-    (tmp_path / "configs.json").write_text(json.dumps({"devices": {_table_key(): {
-        LayerShape.of(spec).key: {str(m): config}}}}))
+    units_key = replace(LayerShape.of(spec), layout="units").key  # no target's own layout: entries apart
+    (tmp_path / "configs.json").write_text(json.dumps({"devices": {_table_key(): {units_key: {str(m): config}}}}))
     monkeypatch.setenv(USER_FILES_ENV, str(tmp_path / "configs.json"))
     monkeypatch.setenv(MX_LAYOUT_ENV, "units")
     steps = _plan(spec, m)

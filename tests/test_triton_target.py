@@ -45,13 +45,26 @@ def test_an_nvidia_gpu_stands_in_for_an_amd_target_with_its_limits_and_none_of_n
 
 
 def test_the_mxfp4_layout_can_be_asked_for_to_measure_the_other_one(monkeypatch):
+    """A layout not the target's own reads and writes launch entries of its own for mxfp4
+    shapes (`...-mxfp4-units`), never the own layout's; other formats' entries are shared."""
+    mxfp4 = configs.LayerShape.of(with_weights(KIMI, "mxfp4"))
+    bf16 = configs.LayerShape.of(with_weights(KIMI, "bf16"))
     monkeypatch.setenv(MX_LAYOUT_ENV, "words")
-    assert target.stand_in(AMD_TARGETS["gfx950"], "gfx950").mx_words
+    words = target.stand_in(AMD_TARGETS["gfx950"], "gfx950")
+    assert words.mx_words and mxfp4.entries_of(words).key == "E896-H3584-I384-k16-mxfp4-words"
+    own = target.stand_in(nvidia_target(90), "NVIDIA H200")  # NVIDIA's own layout
+    assert own.mx_words and not own.mx_entries and mxfp4.entries_of(own) == mxfp4
     monkeypatch.setenv(MX_LAYOUT_ENV, "bytes")
     assert not target.stand_in(nvidia_target(90), "NVIDIA H200").mx_words
     monkeypatch.setenv(MX_LAYOUT_ENV, "units")
     units = target.stand_in(replace(AMD_TARGETS["gfx942"], stands_in="NVIDIA H200"), "NVIDIA H200")
     assert units.mx_units and not units.mx_words and "mxfp4 as units" in units.describe()
+    assert "its own launch entries (units)" in units.describe()
+    assert mxfp4.entries_of(units).key.endswith("-mxfp4-units") and bf16.entries_of(units) == bf16
+    table = {"gfx942": {mxfp4.key: {"16": _entry(64, 2)}}}  # the bytes' entry: not units'
+    assert not configs.is_tuned(table, ("gfx942",), mxfp4.entries_of(units))
+    assert configs.lookup({"gfx942": {mxfp4.entries_of(units).key: {"16": _entry(32, 2)}}}, ("gfx942",),
+                          mxfp4.entries_of(units), 16) == (configs.LaunchConfig.from_json(_entry(32, 2)), True)
     assert target.platform_target("cpu", "", "").mx_units  # the interpreter's too
     monkeypatch.setenv(MX_LAYOUT_ENV, "nibbles")
     with pytest.raises(ValueError, match=f"{MX_LAYOUT_ENV}='nibbles' is not an mxfp4 layout"):

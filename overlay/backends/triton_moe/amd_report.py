@@ -143,7 +143,8 @@ def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Lau
             with absent_gpu("hip", arch, device):
                 target = current_target()
                 config = launch_config(shape, torch.device("cpu"), m, target)
-                tuned = lookup(current_table(), table_devices(torch.device("cpu"), target), shape, m)[1]
+                tuned = lookup(current_table(), table_devices(torch.device("cpu"), target), shape.entries_of(target),
+                                m)[1]
                 w, ids = random_routing(m, small, "cpu", seed=2)
                 launch.fused_experts(layer, random_input(m, small, "cpu", seed=3), tensors["w13"], tensors["w2"],
                                      tensors.get("w13_scale"), tensors.get("w2_scale"), w, ids, None, config)

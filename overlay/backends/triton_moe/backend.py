@@ -135,7 +135,8 @@ class TritonBackend(Backend):
         if platform.device_type != "cuda":
             return None
         device = torch.device("cuda", torch.cuda.current_device())
-        return is_tuned(current_table(), table_devices(device, _target(platform)), LayerShape.of(spec))
+        target = _target(platform)
+        return is_tuned(current_table(), table_devices(device, target), LayerShape.of(spec).entries_of(target))
 
 
 def _target(platform: Platform) -> Target:

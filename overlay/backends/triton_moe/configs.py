@@ -192,6 +192,7 @@ class LayerShape:
     inter: int
     top_k: int
     weights: str  # bf16, fp16, fp8-tensor, fp8-channel, fp8-block or mxfp4
+    layout: str = ""  # mxfp4 in a layout not the target's own (Target.mx_entries): entries of its own
 
     @classmethod
     def of(cls, spec: MoESpec) -> LayerShape:
@@ -203,7 +204,13 @@ class LayerShape:
 
     @property
     def key(self) -> str:
-        return f"E{self.experts}-H{self.hidden}-I{self.inter}-k{self.top_k}-{self.weights}"
+        return f"E{self.experts}-H{self.hidden}-I{self.inter}-k{self.top_k}-{self.weights}" + (
+            f"-{self.layout}" if self.layout else "")
+
+    def entries_of(self, target: Target) -> LayerShape:
+        """The shape whose launch entries `target` reads and its tuner writes: mxfp4's keyed by
+        the layout where the target runs one not its own."""
+        return replace(self, layout=target.mx_entries if self.weights == "mxfp4" else "")
 
     @property
     def fp8(self) -> bool:
@@ -339,7 +346,7 @@ def lookup(table: Table, devices: tuple[str, ...], shape: LayerShape, num_tokens
 @lru_cache(maxsize=4096)
 def _launch_config(user_env: str, devices: tuple[str, ...], target: Target, shape: LayerShape,
                    num_tokens: int) -> LaunchConfig:
-    config, _ = lookup(_table(user_env), devices, shape, num_tokens)
+    config, _ = lookup(_table(user_env), devices, shape.entries_of(target), num_tokens)
     tiny = is_tiny(num_tokens, shape.top_k)
     if tiny:
         config = replace(config, block_m=TINY_ROUTES)  # tiny programs hold every route as a row

@@ -39,6 +39,8 @@ class Target:
     # integer operations into a bf16 dot; else packed bytes through tl.dot_scaled
     mx_units: bool = False  # mxfp4 gate/up weights as int16 units of four e2m1 (layout.mx_units), decoded by
     # shifts and masks into fp16 dots of K 16 with fp16 activations (launch.fp16_rows); the down's packed bytes
+    mx_entries: str = ""  # the mxfp4 layout MX_LAYOUT_ENV asks for where the target's own is another: mxfp4
+    # shapes read and the tuner writes launch entries of their own for it (configs.LayerShape.layout)
     stands_in: str = ""  # the GPU that runs this target's kernels in target mode (its name), else ""
     stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
@@ -70,10 +72,16 @@ class Target:
         a real GPU of it: AMD entries are kept by architecture (MI300X and MI325X are gfx942)."""
         return (self.arch,) if self.vendor == "amd" else ()
 
+    @property
+    def mx_layout(self) -> str:
+        """Its mxfp4 layout: one of MX_LAYOUTS."""
+        return "words" if self.mx_words else "units" if self.mx_units else "bytes"
+
     def describe(self) -> str:
-        kind = ("words" if self.mx_words
-                else "units (the down's packed bytes unless SiTU bounds its input)" if self.mx_units
-                else "packed bytes (tl.dot_scaled)")
+        kind = {"words": "words", "units": "units (the down's packed bytes unless SiTU bounds its input)",
+                "bytes": "packed bytes (tl.dot_scaled)"}[self.mx_layout]
+        if self.mx_entries:
+            kind += f", its own launch entries ({self.mx_entries})"
         where = f"stood in for by {self.stands_in}" if self.stands_in else "this GPU"
         nvidia = "Gluon, PDL, tensor descriptors" if self.hopper else "no NVIDIA-only kernels"
         return (f"target {self.arch} ({where}): {self.shared_bytes // 1024} KiB of shared memory a program, "
@@ -122,7 +130,8 @@ def stand_in(real: Target, device_name: str) -> Target:
     if layout:
         if layout not in MX_LAYOUTS:
             raise ValueError(f"{MX_LAYOUT_ENV}={layout!r} is not an mxfp4 layout; use one of {', '.join(MX_LAYOUTS)}")
-        target = replace(target, mx_words=layout == "words", mx_units=layout == "units")
+        if layout != target.mx_layout:
+            target = replace(target, mx_words=layout == "words", mx_units=layout == "units", mx_entries=layout)
     return target
 
 

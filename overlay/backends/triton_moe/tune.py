@@ -669,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
     for n, (point, cands) in enumerate(plan, 1):
         config, seconds, kinds = tune_point(point, cands, target)
         entry = {**config.to_json(), "tuned_us": round(seconds * 1e6, 1)}
-        table = merge(table, {device: {point.shape.key: {str(point.tokens): entry}}})
+        table = merge(table, {device: {point.shape.entries_of(target).key: {str(point.tokens): entry}}})
         out.write_text(json.dumps({"devices": table}, indent=1, sort_keys=True) + "\n")
         print(f"[{n}/{len(plan)}] {point.name} M={point.tokens}: {seconds * 1e6:.1f} us  {config} "
               f"[{time.time() - started:.0f}s]", flush=True)
