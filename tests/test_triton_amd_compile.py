@@ -75,6 +75,9 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     if weights == "mxfp4":  # the packed tiles decoded to bf16 once a program, for plain dots
         runs[DECODED] = (1024, dataclasses.replace(wide, gate_up=dataclasses.replace(wide.gate_up, mx_dequant=True),
                                                    down=dataclasses.replace(wide.down, mx_dequant=True)))
+    if layer.down_units:  # blocks of three row tiles, the down streamed a whole block a program
+        runs["96 tokens, three row tiles, the down a whole block"] = (96, dataclasses.replace(
+            general, block_m=48, down=dataclasses.replace(general.down, n_split=2, whole_block=True)))
     if weights == "fp8-block":  # the resident down an H200 entry may ask for
         runs["64 tokens, resident down"] = (64, dataclasses.replace(
             general, down=dataclasses.replace(general.down, n_split=2, resident=True)))
