@@ -17,10 +17,8 @@ from moe_overlay.serving.builtin_models import ensure_builtin
 from moe_overlay.serving.config import ConfigError, load
 from moe_overlay.serving.recipe import STRATEGIES, dump, recipe
 from moe_overlay.serving.vllm_args import check_deployment, check_flags, server_flags
-from tests.lanes import assert_config_check, config_check
+from tests.lanes import CONFIGS, ROOT, assert_config_check, config_check
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 REAL = [c for c in CONFIGS if not c.name.startswith("tiny-")]
 NODES = [(c, n.role, n.rank) for c in CONFIGS for n in load(c).all_nodes()]
 

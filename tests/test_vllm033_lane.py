@@ -10,21 +10,19 @@ import pytest
 
 from tests.lanes import CONFIGS, NEWEST, assert_config_check, config_check, run_with, wheel_sources
 
-VERSION = NEWEST
-
 
 @pytest.fixture(scope="module")
 def sources() -> Path:
-    return wheel_sources(VERSION)
+    return wheel_sources(NEWEST)
 
 
 def test_config_check_names_every_configs_moe_quant_method():
-    run = config_check(VERSION)
+    run = config_check(NEWEST)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert_config_check(run.stdout, CONFIGS, VERSION)
+    assert_config_check(run.stdout, CONFIGS, NEWEST)
 
 
 def test_every_ledger_hook_holds(sources):
     run = run_with(sources, ["-c", "import vllm; from moe_overlay.patches import ledger; "
                                    "print(vllm.__version__); ledger.check()"])
-    assert run.returncode == 0 and run.stdout.split()[:1] == [VERSION], run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.split()[:1] == [NEWEST], run.stdout + run.stderr

@@ -1062,7 +1062,7 @@ def down_kernel(
     routes2, rows2, a2_ptrs, a2_scale_ptrs = routes, rows, a_ptrs, a_scale_ptrs  # stand-ins: no second tile
     if TILE_M2 > 0:
         _count2, routes2, rows2, buffer_rows2 = _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                                                       num_padded_ptr, BLOCK_M, TILE_M, TILE_M2)
+                                                             num_padded_ptr, BLOCK_M, TILE_M, TILE_M2)
         a2_ptrs = a_ptr + buffer_rows2[:, None] * stride_am + offs_k[None, :]
         a2_scale_ptrs = a_scale_ptr + buffer_rows2.to(tl.int64) * stride_asm
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
