@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 from triton.backends import backends
 
 from moe_overlay.backends.problems import TOKEN_COUNTS, format_models
-from moe_overlay.backends.triton_moe.amd_report import FORMATS, Resources, main_loop, report
+from moe_overlay.backends.triton_moe.amd_report import FORMATS, Resources, main_loop, repeated_dots, report
 from moe_overlay.backends.triton_moe.target import AMD_TARGETS, MX_LAYOUT_ENV
 
 pytestmark = pytest.mark.skipif("amd" not in backends, reason="this triton has no AMD backend")
@@ -80,11 +80,33 @@ def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
     assert big.problems(AMD_TARGETS["gfx950"]) == []
 
 
-def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
-    """tune's AMD check, with an absent Hopper standing in for gfx942: Kimi-K3's mxfp4 gate/up
-    at M=8192 with 64x128 tiles on 8 warps spills registers when compiled for gfx942 with kpack
-    1 and is left out of the timing; with gfx942's kpack 2 it fits, as does its sibling stepping
-    K by 64 on 4 warps."""
+TTGIR = """\
+#mma = #ttg.amd_mfma<{version = 3, warpsPerCTA = [4, 1], instrShape = [32, 32, 8], isTransposed = true}>
+#mma1 = #ttg.amd_mfma<{version = 3, warpsPerCTA = [1, 4], instrShape = [16, 16, 16], isTransposed = true}>
+      %acc = tt.dot %a, %q, %c : tensor<32x16xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 8}>> * \
+tensor<16x64xf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 8}>> -> tensor<32x64xf32, #mma>
+      %acc2 = tt.dot %a2, %q, %c2 : tensor<16x16xf16, #ttg.dot_op<{opIdx = 0, parent = #mma1, kWidth = 8}>> * \
+tensor<16x64xf16, #ttg.dot_op<{opIdx = 1, parent = #mma1, kWidth = 8}>> -> tensor<16x64xf32, #mma1>
+"""
+
+
+def test_dots_whose_waves_compute_the_same_products_are_a_problem():
+    """Four waves along M of a 32-row dot of 32x32 instructions compute each product four
+    times (each decoding the same weights); along N of 64 columns of 16x16 ones, once."""
+    assert repeated_dots(TTGIR) == 4
+    assert repeated_dots(TTGIR.replace("[4, 1]", "[1, 2]")) == 1
+    assert repeated_dots(TTGIR.replace("[4, 1]", "[1, 2]").replace("[1, 4]", "[2, 4]")) == 2
+    r = Resources.of("gate_up_kernel", GCN.replace("3\n", "0\n"), 0, 4, ttgir=TTGIR)
+    assert r.repeated == 4
+    assert r.problems(AMD_TARGETS["gfx942"]) == ["its waves compute each product of a dot 4 times"]
+
+
+def test_the_tuner_leaves_out_what_spills_or_repeats_its_dots_on_gfx942(monkeypatch):
+    """tune's AMD check, with an absent Hopper standing in for gfx942, for Kimi-K3's mxfp4
+    gate/up: at M=8192, 128x128 tiles on 4 warps spill registers (and overflow the LDS) when
+    compiled for gfx942 and are left out of the timing, where 64x128 and 64x64 tiles fit; at
+    M=16, a 16-column tile on 4 waves (one 16x16 MFMA tile a dot) has every wave compute the same
+    products and is left out, where 64 columns give each wave its own."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -95,14 +117,18 @@ def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
     from moe_overlay.backends.triton_moe.tune import Point, _amd_rejects
 
     monkeypatch.setenv(TARGET_ENV, "gfx942")
-    spec = with_weights(model("Kimi-K3").spec, "mxfp4")
-    point = Point("Kimi-K3 mxfp4", replace(spec, num_experts=64), 8192)  # fewer experts: less memory
-    fits = KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=2)
-    spills = replace(fits, kpack=1)
-    narrow = KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
-    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), fresh_device()))
-    try:
-        rejects = _amd_rejects(point, 192, [("gate_up", spills), ("gate_up", fits), ("gate_up", narrow)])
-    finally:
-        driver.set_active(None)
-    assert rejects == [("gate_up", spills)]
+    spec = replace(with_weights(model("Kimi-K3").spec, "mxfp4"), num_experts=64)  # fewer experts: less memory
+    spills = KernelConfig(block_n=128, block_k=128, num_warps=4, num_stages=2)
+    fits = [KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=2),
+            KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)]
+    repeats = KernelConfig(block_n=16, block_k=128, num_warps=4, num_stages=2)
+
+    def rejects(tokens: int, block_m: int, configs: list[KernelConfig]) -> list:
+        driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), fresh_device()))  # each AMD compile ends it
+        try:
+            return _amd_rejects(Point("Kimi-K3 mxfp4", spec, tokens), block_m, [("gate_up", c) for c in configs])
+        finally:
+            driver.set_active(None)
+
+    assert rejects(8192, 192, [spills, *fits]) == [("gate_up", spills)]
+    assert rejects(16, 16, [repeats, replace(repeats, block_n=64)]) == [("gate_up", repeats)]

@@ -172,7 +172,7 @@ def test_the_plan_says_which_kernel_runs_each_step_and_runs_nvidias_only_on_hopp
         assert p.down.kernel == plan.RESIDENT and p.down.descriptors == desc
 
 
-def test_gfx942s_dots_ask_triton_for_kpack_2_only_where_it_compiles_for_gfx942(tmp_path):
+def test_gfx942s_dots_ask_triton_for_kpack_2_and_16x16_mfmas_only_where_it_compiles_for_gfx942(tmp_path):
     pytest.importorskip("triton")
     from moe_overlay.backends.triton_moe import plan
 
@@ -181,14 +181,15 @@ def test_gfx942s_dots_ask_triton_for_kpack_2_only_where_it_compiles_for_gfx942(t
     gfx942 = AMD_TARGETS["gfx942"]
     steps = plan.make_plan(layer, configs.LaunchConfig(64, entry, entry), False, gfx942)
     assert (steps.gate_up.kpack, steps.down.kpack) == (2, 2) and "kpack 2" in steps.describe()
-    assert gfx942.compile_options(steps.gate_up.kpack) == {"kpack": 2}
+    assert gfx942.compile_options(steps.gate_up.kpack) == {"kpack": 2, "matrix_instr_nonkdim": 16}
     asks_one = configs.LaunchConfig(64, replace(entry, kpack=1), entry)
     assert plan.make_plan(layer, asks_one, False, gfx942).gate_up.kpack == 1  # the entry's word over the target's
     # a stand-in runs what gfx942 would, but its compiler has no kpack; gfx950 and NVIDIA have none either
     assert replace(gfx942, stands_in="NVIDIA H200").compile_options(2) == {}
     for other in (AMD_TARGETS["gfx950"], nvidia_target(90)):
         p = plan.make_plan(layer, configs.LaunchConfig(64, replace(entry, kpack=2), entry), False, other)
-        assert (p.gate_up.kpack, other.compile_options(p.gate_up.kpack)) == (1, {})
+        options = {"matrix_instr_nonkdim": 16} if other.vendor == "amd" else {}  # 16x16 MFMAs on both AMD targets
+        assert (p.gate_up.kpack, other.compile_options(p.gate_up.kpack)) == (1, options)
     # mxfp4's decode a program, where the entry asks, for packed bytes only (words decode their own way)
     mx = configs.LaunchConfig(64, replace(entry, mx_dequant=True), replace(entry, mx_dequant=True, n_split=2))
     packed = plan.make_plan(plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ"), mx, False, gfx942)

@@ -55,15 +55,16 @@ class Resources:
     lds: int  # bytes a workgroup
     mfma_a_step: int  # matrix instructions in the main loop (main_loop)
     valu_a_step: int  # other vector instructions there (mxfp4: the decode's among them)
+    repeated: int = 1  # times the waves compute each product of its dots (repeated_dots; 1: each once)
 
     @classmethod
-    def of(cls, name: str, gcn: str, lds: int, num_warps: int, kpack: int = 1) -> Resources:
+    def of(cls, name: str, gcn: str, lds: int, num_warps: int, kpack: int = 1, ttgir: str = "") -> Resources:
         def field(key: str) -> int:
             found = re.search(rf"\.{key}:\s+(\d+)", gcn)
             return int(found.group(1)) if found else 0
 
         return cls(name, num_warps, kpack, field("vgpr_count"), field("agpr_count"), field("vgpr_spill_count"),
-                   field("sgpr_spill_count"), lds, *main_loop(gcn))
+                   field("sgpr_spill_count"), lds, *main_loop(gcn), repeated_dots(ttgir))
 
     def waves_a_simd(self, arch: str) -> int:
         """Waves of this kernel a SIMD holds at once: by registers (`vgprs`, the metadata's
@@ -79,7 +80,26 @@ class Resources:
         out = [f"{n} {kind} spilled" for n, kind in ((self.vgpr_spills, "VGPRs"), (self.sgpr_spills, "SGPRs")) if n]
         if self.lds > target.shared_bytes:
             out.append(f"{self.lds} bytes of LDS, over {target.arch}'s {target.shared_bytes}")
+        if self.repeated > 1:
+            out.append(f"its waves compute each product of a dot {self.repeated} times")
         return out
+
+
+def repeated_dots(ttgir: str) -> int:
+    """The most times the waves of a kernel compute each product of one of its dots: a dot of
+    M x N whose MFMA layout puts more waves times instruction rows (columns) along M (N) than
+    it has spreads the same products over several waves, each decoding its weights again (the
+    compiler's choice of warpsPerCTA, in the TTGIR; 1 where every product is computed once)."""
+    layouts = {}
+    for name, fields in re.findall(r"^#(\w+) = #ttg\.amd_mfma<\{(.*)\}>", ttgir, re.M):
+        warps, instr = (re.search(rf"{key} = \[(\d+), (\d+)", fields) for key in ("warpsPerCTA", "instrShape"))
+        if warps and instr:
+            layouts[name] = (int(warps[1]) * int(instr[1]), int(warps[2]) * int(instr[2]))
+    most = 1
+    for m, n, name in re.findall(r"tt\.dot(?:_scaled)? .*-> tensor<(\d+)x(\d+)xf32, #(\w+)>", ttgir):
+        span_m, span_n = layouts.get(name, (1, 1))
+        most = max(most, -(-span_m // int(m)) * -(-span_n // int(n)))
+    return most
 
 
 def main_loop(gcn: str) -> tuple[int, int]:
@@ -118,7 +138,8 @@ class Launch:
 
 def compiled(device: int) -> list[Resources]:
     """Every kernel compiled for `device` (Triton's driver stands in for it)."""
-    return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps, k.metadata.kpack)
+    return [Resources.of(name, k.asm["amdgcn"], k.metadata.shared, k.metadata.num_warps, k.metadata.kpack,
+                         k.asm["ttgir"])
             for module in (kernels, gluon_kernels) if module is not None for name, fn in vars(module).items()
             if device in getattr(fn, "device_caches", {}) for k in fn.device_caches[device][0].values()]
 
@@ -154,8 +175,8 @@ def compile_launches(arch: str, weights: str, tokens: list[int]) -> Iterator[Lau
 def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[str, list[str]]:
     """(the report as markdown, every problem found)."""
     lines = ["| target | layer | M | entry | kernel | warps | kpack | VGPRs (AGPRs too) | of them AGPRs | spills "
-             "| LDS (bytes) | waves / SIMD | MFMA a K step | other VALU a K step |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| LDS (bytes) | waves / SIMD | MFMA a K step | other VALU a K step | dots repeated |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     problems = []
     for arch in targets:
         for weights in formats:
@@ -168,7 +189,7 @@ def report(targets: list[str], formats: list[str], tokens: list[int]) -> tuple[s
                             f"| {arch} | {found.model} {weights} | {found.tokens} | "
                             f"{'tuned' if found.tuned else 'default'} | {r.kernel} | {r.num_warps} | {r.kpack} "
                             f"| {r.vgprs} | {r.agprs} | {r.vgpr_spills + r.sgpr_spills} | {r.lds} "
-                            f"| {r.waves_a_simd(arch)} | {r.mfma_a_step} | {r.valu_a_step} |")
+                            f"| {r.waves_a_simd(arch)} | {r.mfma_a_step} | {r.valu_a_step} | {r.repeated}x |")
                 problems += [f"{arch} {found.model} {weights} M={found.tokens} {r.kernel}: {p}"
                              for r in found.kernels for p in r.problems(found.target)]
     return "\n".join(lines) + "\n", problems

@@ -45,6 +45,7 @@ class Target:
     stages_in_registers: int = 0  # pipeline stages the compiler holds in registers, not shared memory
     scratch_bytes: int = 0  # shared memory the compiler takes beyond the pipelined tiles (scales, barriers)
     kpack: int = 1  # dots' operands read kpack times as much K a lane from LDS (Triton's AMD `kpack`; gfx942 only)
+    mfma_size: int = 0  # Triton's AMD `matrix_instr_nonkdim`: 16 for 16x16 MFMAs (0: the compiler's choice)
     fp4_instructions: bool = False  # e2m1 conversion instructions (gfx950): tl.dot_scaled's decode is one a pair
     resident_in_registers: bool = False  # the resident down's activation block passes through shared memory
     # once and stays in registers, its buffer then reused by the weight stages (AMD: `make amd-report`'s LDS)
@@ -64,7 +65,9 @@ class Target:
     def compile_options(self, kpack: int) -> dict[str, int]:
         """Triton compile options of a dot kernel run with `kpack` (plan.Step.kpack): only where
         Triton compiles for the AMD target itself; a stand-in's compiler has no such option."""
-        return {"kpack": kpack} if kpack > 1 and self.vendor == "amd" and not self.stands_in else {}
+        if self.vendor != "amd" or self.stands_in:
+            return {}
+        return {"matrix_instr_nonkdim": self.mfma_size, **({"kpack": kpack} if kpack > 1 else {})}
 
     @property
     def table_keys(self) -> tuple[str, ...]:
@@ -92,13 +95,16 @@ class Target:
 # to 2 KiB beyond their tiles there (make amd-report, Triton 3.9), so 4 KiB are kept aside.
 # gfx942's dots read their operands with kpack 2 (16 bytes a lane, ds_read_b128), as vLLM's
 # MI300X fused-MoE entries do: fewer VGPRs and vector instructions in most of the shipped
-# launches (docs/performance.md); gfx950's Triton ignores kpack.
+# launches (docs/performance.md); gfx950's Triton ignores kpack. Both take 16x16 MFMAs, as those
+# entries do: with the compiler's own choice (32x32 from 32 rows), a dot of fewer 32x32 tiles
+# than waves has waves computing the same products, each decoding the weights again
+# (amd_report.repeated_dots: 22 of the shipped launches at cd53631, 4 with 16x16).
 AMD_SCRATCH = 4096
 AMD_TARGETS = {
     "gfx942": Target("gfx942", "amd", 64 * 1024, 64, stages_in_registers=1, scratch_bytes=AMD_SCRATCH, kpack=2,
-                     resident_in_registers=True),
+                     mfma_size=16, resident_in_registers=True),
     "gfx950": Target("gfx950", "amd", 160 * 1024, 64, scratch_bytes=AMD_SCRATCH, fp4_instructions=True,
-                     resident_in_registers=True),
+                     mfma_size=16, resident_in_registers=True),
 }
 INTERPRETER = Target("interpreter", "cpu", 0, 32)
 

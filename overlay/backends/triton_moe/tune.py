@@ -449,8 +449,8 @@ def _compile(task: tuple[Point, int, list[Kernel]]) -> tuple[list[str], list[Ker
     """Worker: compile some kernels of one point into Triton's disk cache: (why each that
     failed did, the kernels an AMD target cannot take). On an AMD target each is also compiled for it with
     Triton's AMD backend (no AMD GPU needed), and one that spills registers or needs more LDS
-    than the target has is named, for the timing pass to leave out: the GPU standing in would
-    run it at a speed the target cannot reach."""
+    than the target has, or whose waves compute the same products of a dot, is named, for the
+    timing pass to leave out: the GPU standing in would run it at a speed the target cannot reach."""
     from .launch import compile_only
 
     point, block_m, kernels = task
@@ -483,8 +483,9 @@ def amd_checked(target: Target) -> bool:
 
 
 def _amd_rejects(point: Point, block_m: int, kernels: list[Kernel]) -> list[Kernel]:
-    """The kernels that spill or overflow the LDS when compiled for the AMD target stood in for
-    (amd_report's reading of the AMDGCN); none where the target is not AMD."""
+    """The kernels that spill, overflow the LDS or repeat a dot's products on several waves when
+    compiled for the AMD target stood in for (amd_report's reading of the AMDGCN and TTGIR); none
+    where the target is not AMD."""
     from .amd_report import compiled
     from .offline import absent_gpu, fresh_device
 
@@ -643,8 +644,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"tuning {len(points)} points for {target.describe()}: {total} kernels to compile with {args.jobs} "
           "processes", flush=True)
     if amd_checked(target):
-        print(f"  each also compiled for {target.arch} with Triton's AMD backend: those that spill or overflow "
-              "its LDS are not timed", flush=True)
+        print(f"  each also compiled for {target.arch} with Triton's AMD backend: those that spill, overflow "
+              "its LDS or compute a dot's products on several waves are not timed", flush=True)
     elif target.vendor == "amd":
         print(f"  this Triton has no AMD backend: nothing is compiled for {target.arch}; make amd-report checks "
               "the entries", flush=True)
