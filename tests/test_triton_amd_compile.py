@@ -24,6 +24,7 @@ from triton.runtime.driver import driver  # noqa: E402
 import moe_overlay as mo  # noqa: E402
 from moe_overlay.backends.problems import random_input, random_routing, random_weights, with_weights  # noqa: E402
 from moe_overlay.backends.triton_moe import kernels, launch  # noqa: E402
+from moe_overlay.backends.triton_moe.amd_report import repeated_dots  # noqa: E402
 from moe_overlay.backends.triton_moe.configs import LaunchConfig, fit_shared  # noqa: E402
 from moe_overlay.backends.triton_moe.offline import AbsentGpu  # noqa: E402
 from moe_overlay.backends.triton_moe.target import AMD_TARGETS, MX_LAYOUT_ENV, current_target  # noqa: E402
@@ -84,14 +85,14 @@ def _launches(arch: str, weights: str, layer: launch.Layer, x: torch.Tensor) -> 
     return {name: (m, fit_shared(config, layer.shape, m, target)) for name, (m, config) in runs.items()}
 
 
-def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[str, int]]]:
-    """Every launch of _launches compiled for `arch`: (AMDGCN, shared memory bytes) by kernel
-    name and cache key, per launch."""
+def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[str, int, int]]]:
+    """Every launch of _launches compiled for `arch`: (AMDGCN, shared memory bytes, times its
+    waves compute a dot's products) by kernel name and cache key, per launch."""
     spec = with_weights(SPEC, weights)
     layout = mo.get_backend("triton").layout_for(spec, mo.Platform("cuda", "amd", arch))  # e4m3fnuz on gfx942
     tensors = to_layout(random_weights(spec, "cpu", seed=0), spec, layout)
     w13, w2 = tensors["w13"], tensors["w2"]
-    compiled: dict[str, dict[str, tuple[str, int]]] = {}
+    compiled: dict[str, dict[str, tuple[str, int, int]]] = {}
     driver.set_active(AbsentGpu(GPUTarget("hip", arch, 64), device))
     try:
         x1 = random_input(1, spec, "cpu", seed=1)
@@ -110,15 +111,16 @@ def _compile(arch: str, device: int, weights: str) -> dict[str, dict[str, tuple[
     return compiled
 
 
-def _compiled(device: int) -> dict[str, tuple[str, int]]:
-    """(AMDGCN, shared memory bytes) of the kernels compiled so far for `device`, by kernel
-    name and cache key."""
+def _compiled(device: int) -> dict[str, tuple[str, int, int]]:
+    """(AMDGCN, shared memory bytes, amd_report.repeated_dots) of the kernels compiled so far
+    for `device`, by kernel name and cache key."""
     out = {}
     for name in dir(kernels):
         fn = getattr(kernels, name)
         if isinstance(fn, triton.runtime.jit.JITFunction) and device in fn.device_caches:
             for key, kernel in fn.device_caches[device][0].items():
-                out[f"{name} {key}"] = (kernel.asm["amdgcn"], kernel.metadata.shared)
+                out[f"{name} {key}"] = (kernel.asm["amdgcn"], kernel.metadata.shared,
+                                        repeated_dots(kernel.asm["ttgir"]))
     return out
 
 
@@ -127,8 +129,9 @@ def _compiled(device: int) -> dict[str, tuple[str, int]]:
 def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weights):
     """Each launch compiles, every kernel it would run among them (the sort, the quantisation,
     both GEMMs in each of their forms, the top-k sum), each fits the target's LDS (64 KiB on
-    gfx942: the H200-sized defaults do not, fit_shared lowers their stages), and each dot
-    kernel uses the matrix instructions of its target and format."""
+    gfx942: the H200-sized defaults do not, fit_shared lowers their stages), each dot kernel
+    uses the matrix instructions of its target and format, and no two waves compute the same
+    products (the one-token default's 16 columns: the plan gives it one wave, not 4)."""
     device = 1000 + 100 * ARCHS.index(arch) + FORMATS.index(weights)  # compiled kernels kept apart per test
     compiled = _compile(arch, device, weights)
     for launch_name, code in compiled.items():
@@ -142,9 +145,10 @@ def test_every_launch_compiles_for_amd_with_its_matrix_instructions(arch, weight
         *(["down_resident_kernel"] if weights in ("bf16", "fp8-block") else [])}
     expected = MATRIX[(arch, weights.split("-")[0])]
     for launch_name, code in compiled.items():
-        for key, (gcn, shared) in code.items():
+        for key, (gcn, shared, repeated) in code.items():
             kernel = key.split()[0]
             assert shared <= AMD_TARGETS[arch].shared_bytes, f"{arch} {weights} {launch_name}: {kernel}: {shared} B"
+            assert repeated == 1, f"{arch} {weights} {launch_name}: {kernel}'s waves compute its dots {repeated} times"
             if kernel in DOT_KERNELS:
                 for pattern in MATRIX[(arch, "bf16")] if launch_name == DECODED else expected:
                     assert re.search(pattern, gcn), f"{arch} {weights}: no {pattern} in {kernel} ({launch_name})"
@@ -157,12 +161,12 @@ def test_gate_up_units_compile_for_gfx942_to_fp16_matrix_instructions_without_sp
     within 64 KiB."""
     monkeypatch.setenv(MX_LAYOUT_ENV, "units")
     compiled = _compile("gfx942", 1900, "mxfp4")
-    kernels_of = {key.split()[0]: (gcn, shared) for code in compiled.values() for key, (gcn, shared) in code.items()}
     assert {"quantize_tokens_kernel", "gate_up_kernel", "gate_up_gemv_kernel", "down_kernel",
-            "down_tiny_kernel"} <= set(kernels_of)
+            "down_tiny_kernel"} <= {key.split()[0] for code in compiled.values() for key in code}
     for launch_name, code in compiled.items():
-        for key, (gcn, shared) in code.items():
+        for key, (gcn, shared, repeated) in code.items():
             kernel = key.split()[0]
+            assert repeated == 1, f"{launch_name}: {kernel}'s waves compute its dots {repeated} times"
             assert shared <= AMD_TARGETS["gfx942"].shared_bytes, f"{launch_name}: {kernel}: {shared} B"
             spills = re.search(r"\.vgpr_spill_count:\s+(\d+)", gcn)
             assert spills and int(spills.group(1)) == 0, f"{launch_name}: {kernel} spills"

@@ -217,6 +217,35 @@ def test_gfx942s_dots_ask_triton_for_kpack_2_and_16x16_mfmas_only_where_it_compi
         configs.read_file(bad)
 
 
+def test_on_an_amd_target_a_dots_waves_are_no_more_than_its_mfma_tiles():
+    """Triton's AMD backend gives each wave a 16x16 MFMA tile at least, so the plan lowers a dot
+    GEMM's warps to its tiles there (the target's or its stand-in's), and leaves NVIDIA's and
+    the matrix-vector kernels' as the entry has them."""
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import plan
+
+    narrow = configs.KernelConfig(16, 256, 4, 2, split_k=2)
+    wide = configs.KernelConfig(64, 128, 8, 2)
+    gfx942 = AMD_TARGETS["gfx942"]
+    mx = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "mxfp4"), "situ")
+    bf16 = plan.Layer(configs.LayerShape(8, 4096, 1792, 2, "bf16"), "silu")  # gate and up interleaved: N twice
+    tiny = plan.make_plan(mx, configs.LaunchConfig(16, narrow, narrow), True, gfx942)
+    assert (tiny.gate_up.kernel, tiny.gate_up.config.num_warps) == (plan.GATE_UP, 1)  # 16 x 16: one tile
+    assert tiny.down.config.num_warps == 4  # tiny mode's down has no dot
+    assert plan.make_plan(bf16, configs.LaunchConfig(16, narrow, narrow), True, gfx942).gate_up.config.num_warps == 2
+    # 48 rows: tiles of 32 and 16 rows sharing the warps; 64 columns: 4 tiles of the smaller
+    three = plan.make_plan(mx, configs.LaunchConfig(48, wide, wide), False, gfx942)
+    assert (three.gate_up.config.num_warps, three.down.config.num_warps) == (4, 4)
+    assert plan.make_plan(mx, configs.LaunchConfig(64, wide, wide), False, gfx942).gate_up.config.num_warps == 8
+    standing_in = replace(gfx942, stands_in="NVIDIA H200")
+    assert plan.make_plan(mx, configs.LaunchConfig(16, narrow, narrow), True, standing_in).gate_up.config == \
+        tiny.gate_up.config
+    for kept in (nvidia_target(90), target.INTERPRETER):
+        assert plan.make_plan(mx, configs.LaunchConfig(16, narrow, narrow), True, kept).gate_up.config == narrow
+    gemv = replace(narrow, gemv=True, block_n=8)
+    assert plan.make_plan(mx, configs.LaunchConfig(16, gemv, narrow), True, gfx942).gate_up.config == gemv
+
+
 def _entry(block_m: int, stages: int) -> dict:
     kernel = {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": stages, "group_m": 8}
     return {"block_m": block_m, "gate_up": kernel, "down": kernel}
