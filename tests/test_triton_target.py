@@ -246,6 +246,35 @@ def test_on_an_amd_target_a_dots_waves_are_no_more_than_its_mfma_tiles():
     assert plan.make_plan(mx, configs.LaunchConfig(16, gemv, narrow), True, gfx942).gate_up.config == gemv
 
 
+def test_the_tuner_times_on_an_amd_target_only_what_the_plan_runs_each_once():
+    """Every candidate the tuner offers gfx942 is a launch the plan runs as it is (its warps no
+    more than its dots' MFMA tiles), none twice, the narrow one-token tiles among them on fewer
+    warps; on Hopper the 4-warp one-token tiles of 16 columns stay."""
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import plan
+    from moe_overlay.backends.triton_moe.tune import Point, candidates
+
+    gfx942 = AMD_TARGETS["gfx942"]
+    for weights, tokens in (("mxfp4", 1), ("mxfp4", 1024), ("bf16", 1), ("bf16", 8192)):
+        spec = with_weights(KIMI, weights)
+        point = Point(f"Kimi-K3 {weights}", spec, tokens)
+        layer = plan.Layer(point.shape, "situ")
+        tiny = configs.is_tiny(tokens, spec.top_k)
+        for c in candidates(point, gfx942):
+            assert len(set(c.gate_up)) == len(c.gate_up) and len(set(c.down)) == len(c.down)
+            for g in c.gate_up:
+                launch = configs.LaunchConfig(c.block_m, g, c.down[0])
+                assert plan.make_plan(layer, launch, tiny, gfx942).gate_up.config == g, (weights, tokens, g)
+            for d in c.down:
+                launch = configs.LaunchConfig(c.block_m, c.gate_up[0], d)
+                assert plan.make_plan(layer, launch, tiny, gfx942).down.config == d, (weights, tokens, d)
+        narrow = [g for c in candidates(point, gfx942) for g in c.gate_up if tiny and not g.gemv and g.block_n <= 16]
+        assert not tiny or {g.num_warps for g in narrow} <= {1, 2}
+        hopper = [g for c in candidates(point, nvidia_target(90)) for g in c.gate_up
+                  if tiny and not g.gemv and g.block_n == 16]
+        assert not tiny or 4 in {g.num_warps for g in hopper}
+
+
 def _entry(block_m: int, stages: int) -> dict:
     kernel = {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": stages, "group_m": 8}
     return {"block_m": block_m, "gate_up": kernel, "down": kernel}

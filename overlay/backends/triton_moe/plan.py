@@ -205,7 +205,9 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
         if not tiny and first and _gluon_block_fp8_fits(layer, config):
             return Step(GLUON_BLOCK_FP8, cfg, quantise_first=True)
     tile_m, tile_m2 = row_tiles(config.block_m)
-    cfg = _waves_fit(cfg, tile_m2 or tile_m, cfg.block_n * (2 if layer.shape.interleaved else 1), target)
+    # the dots' warps as the target runs them (Target.dot_warps), the smaller row tile where there are two
+    cfg = replace(cfg, num_warps=target.dot_warps(cfg.num_warps, tile_m2 or tile_m,
+                                                  cfg.block_n * (2 if layer.shape.interleaved else 1)))
     return Step(GATE_UP, cfg, quantise_first=first, weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target),
                 mx_dequant=_mx_dequant(layer, cfg) and not layer.mx_units)
@@ -227,26 +229,12 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
     if cfg.whole_block and kind == RESIDENT:
         raise ValueError(f"whole_block is for the tiled and streamed down, not the resident one: {cfg}")
     tile_m, tile_m2 = down_tiles(config.block_m, cfg.whole_block)
-    cfg = _waves_fit(cfg, tile_m2 or tile_m, cfg.block_n, target)
+    cfg = replace(cfg, num_warps=target.dot_warps(cfg.num_warps, tile_m2 or tile_m, cfg.block_n))
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
                 weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.down_pack == 1),
                 kpack=_kpack(cfg, target), mx_dequant=_mx_dequant(layer, cfg) and not layer.down_units,
                 tile_m2=tile_m2)
-
-
-def _waves_fit(cfg: KernelConfig, rows: int, columns: int, target: Target) -> KernelConfig:
-    """`cfg` with no more warps than its dots (`rows` x `columns` each, the smaller row tile
-    where there are two) have MFMA tiles of the target's (target.Target.mfma_size; none: as
-    it is): Triton's AMD backend gives each wave a tile at least, so spare waves would compute
-    the same products again, each decoding the weights again (amd_report.repeated_dots)."""
-    if not target.mfma_size:
-        return cfg
-    tiles = (rows // target.mfma_size) * (columns // target.mfma_size)
-    warps = cfg.num_warps
-    while warps > max(tiles, 1):
-        warps //= 2
-    return replace(cfg, num_warps=warps)
 
 
 def _refuse_units_steps(units: bool, cfg: KernelConfig) -> None:

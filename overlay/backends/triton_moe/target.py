@@ -69,6 +69,18 @@ class Target:
             return {}
         return {"matrix_instr_nonkdim": self.mfma_size, **({"kpack": kpack} if kpack > 1 else {})}
 
+    def dot_warps(self, num_warps: int, rows: int, columns: int) -> int:
+        """The warps a kernel of `num_warps` runs whose dots are `rows` x `columns`: on a target
+        with an MFMA size (AMD), no more than the dots' MFMA tiles, halving (Triton's AMD backend
+        gives each wave a tile at least, so spare waves would compute the same products again,
+        each decoding the weights again: amd_report.repeated_dots); elsewhere `num_warps`."""
+        if not self.mfma_size:
+            return num_warps
+        tiles = max((rows // self.mfma_size) * (columns // self.mfma_size), 1)
+        while num_warps > tiles:
+            num_warps //= 2
+        return num_warps
+
     @property
     def table_keys(self) -> tuple[str, ...]:
         """The launch table's device keys this target reads, after the device's own name on

@@ -324,7 +324,7 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
         if gluon and point.shape.weights == "mxfp4":
             gate_ups += gluon_mx_tiny_candidates(point.shape)
             downs += gluon_mx_tiny_down_candidates(point.shape)
-        return [_runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, downs))]
+        return [_as_run(point.shape, _runnable(point.shape, Candidates(TINY_ROUTES, gate_ups, downs)), True, target)]
     cands = []
     for b in block_m_candidates(point.shape, point.tokens):
         tiled = gemm_candidates(down_tile(b), point.shape, 1, target) + whole_block_candidates(b, point.shape, target)
@@ -340,8 +340,22 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
                 and b >= MX_DEQUANT_BLOCK_M and not target.mx_units:  # units have their own decode (plan.py)
             gate_ups += [replace(c, mx_dequant=True) for c in gate_ups]
             downs += [replace(c, mx_dequant=True) for c in downs]
-        cands.append(_runnable(point.shape, Candidates(b, gate_ups, downs)))
+        cands.append(_as_run(point.shape, _runnable(point.shape, Candidates(b, gate_ups, downs)), False, target))
     return cands
+
+
+def _as_run(shape: LayerShape, cands: Candidates, tiny: bool, target: Target) -> Candidates:
+    """Each candidate with the warps its dots run on (Target.dot_warps, as the plan has them:
+    on AMD no more than their MFMA tiles; the gemv gate/up and tiny mode's down have no dot),
+    each once: an entry records what runs, and no launch is timed twice."""
+    rows = down_tile(cands.block_m)  # the smaller row tile: the gate/up's second, the down's
+
+    def run(cfg: KernelConfig, columns: int) -> KernelConfig:
+        return replace(cfg, num_warps=target.dot_warps(cfg.num_warps, rows, columns))
+
+    gate_ups = [g if g.gemv else run(g, g.block_n * (2 if shape.interleaved else 1)) for g in cands.gate_up]
+    downs = cands.down if tiny else [run(d, d.block_n) for d in cands.down]
+    return Candidates(cands.block_m, list(dict.fromkeys(gate_ups)), list(dict.fromkeys(downs)))
 
 
 def _without(cands: Candidates, left_out: set[Kernel]) -> Candidates:
