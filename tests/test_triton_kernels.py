@@ -237,7 +237,7 @@ FP8_BLOCK_SMALL = with_weights(mo.MoESpec(8, 384, 256, 2), "fp8-block")
 # share of the N tiles (bf16/fp16: a resident activation block; fp8 and mxfp4: the streamed
 # down_kernel; 8 programs over 4 to 7 tiles leave some with none); blocks of 48 rows
 # (gate/up: row tiles of 32 and 16 sharing each weight tile; down: a program per 16 rows, or
-# per block as the gate/up has it), and of 80 (64 and 16; the down's five programs a block);
+# per block as the gate/up has it);
 # weight tiles through tensor descriptors (plain loads where the weights' rows are not
 # 16-byte aligned: "unaligned").
 UNUSUAL = {
@@ -253,7 +253,7 @@ UNUSUAL = {
     "sorted-resident": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 40),
     "sorted-resident-3": ({"block_m": 16, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 3}}, 40),
     "sorted-split-8": ({"block_m": 32, "gate_up": KERNEL, "down": {**KERNEL, "block_n": 64, "n_split": 8}}, 40),
-    "sorted-two-tiles": ({"block_m": 80, "gate_up": KERNEL, "down": KERNEL}, 150),
+    "sorted-three-tiles": ({"block_m": 48, "gate_up": KERNEL, "down": KERNEL}, 150),
     "sorted-three-tiles-resident": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "n_split": 2}}, 150),
     "sorted-three-tiles-whole-block": ({"block_m": 48, "gate_up": KERNEL, "down": {**KERNEL, "whole_block": True}},
                                        150),

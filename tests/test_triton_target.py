@@ -133,11 +133,11 @@ def test_the_tuner_offers_a_stand_in_only_what_its_target_runs():
             assert any(k.gluon or k.weight_left or k.descriptors for k in nvidia) == (weights != "bf16")
             # mxfp4's decode a program: for the AMD targets' packed bytes, from blocks of 64 rows
             dequant = {c.block_m for c in candidates(point, gfx942) for k in c.gate_up + c.down if k.mx_dequant}
-            assert dequant == ({b for b in (64, 128, 160, 192) if tokens == 8192} if weights == "mxfp4" else set())
+            assert dequant == ({b for b in (64, 128, 192) if tokens == 8192} if weights == "mxfp4" else set())
             assert not any(k.mx_dequant for k in nvidia)  # words
-            # a whole block a down program: for blocks of two row tiles only, never the resident down
+            # a whole block a down program: for blocks of three row tiles only, never the resident down
             whole = {c.block_m for c in candidates(point, gfx942) for k in c.down if k.whole_block}
-            assert whole == ({160, 192} if tokens == 8192 else set()), (weights, tokens)
+            assert whole == ({192} if tokens == 8192 else set()), (weights, tokens)
             assert not any(k.whole_block and point.shape.down_kind(k) == "resident"
                            for c in candidates(point, gfx942) for k in c.down)
             gfx950 = replace(AMD_TARGETS["gfx950"], stands_in="NVIDIA H200")  # its fp4 conversions decode

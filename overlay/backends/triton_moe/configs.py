@@ -64,8 +64,8 @@ class KernelConfig:
     kpack: int = 0  # the dots' kpack where the target has one (gfx942: target.py), 1 or 2; 0: the target's
     mx_dequant: bool = False  # mxfp4 packed bytes, sorted gate/up and tiled or streamed down: the program decodes
     # each weight tile to bf16 once for a plain dot (kernels._mx_dequant), not in tl.dot_scaled's per-warp decode
-    whole_block: bool = False  # tiled or streamed down, blocks of two row tiles: a program takes a whole block,
-    # its two row tiles (row_tiles) sharing each weight tile (mxfp4: its decode), not a program per smaller tile
+    whole_block: bool = False  # tiled or streamed down, blocks of three row tiles: a program takes a whole block,
+    # its two row tiles (row_tiles) sharing each weight tile (mxfp4: its decode), not a program per third
 
     def __post_init__(self) -> None:
         if self.kpack not in (0, 1, 2):
@@ -75,7 +75,7 @@ class KernelConfig:
 @dataclass(frozen=True)
 class LaunchConfig:
     """BLOCK_M is shared: the sort pads each expert to it and both GEMMs walk its blocks. It
-    is a power of two or the sum of two (row_tiles)."""
+    is a power of two or three times one (row_tiles)."""
 
     block_m: int
     gate_up: KernelConfig
@@ -94,20 +94,18 @@ class LaunchConfig:
 
 def row_tiles(block_m: int) -> tuple[int, int]:
     """The gate/up kernel's two row tiles for a block (dots need power-of-two rows): the block
-    itself, or for a sum of two powers of two (48, 80, 96, 160, 192: 32 + 16 ... 128 + 64) the
-    larger and the smaller, which share each weight tile (the second is 0 when there is none)."""
+    itself, or for three times a power of two its first 2/3 and last 1/3, which share each
+    weight tile (the second is 0 when there is none)."""
     if block_m >= MIN_TILE_M and block_m & (block_m - 1) == 0:
         return block_m, 0
-    big = 1 << (block_m.bit_length() - 1) if block_m > 0 else 0
-    small = block_m - big
-    if small < MIN_TILE_M or small & (small - 1):
-        raise ValueError(f"block_m must be a power of two or the sum of two, each at least {MIN_TILE_M}; "
-                         f"got {block_m}")
-    return big, small
+    third = block_m // 3
+    if third * 3 != block_m or third < MIN_TILE_M or third & (third - 1):
+        raise ValueError(f"block_m must be a power of two or three times one, at least {MIN_TILE_M}; got {block_m}")
+    return 2 * third, third
 
 
 def down_tile(block_m: int) -> int:
-    """The down kernels' rows per program: the block, or its smaller row tile (a program each)."""
+    """The down kernels' rows per program: the block, or a third of it (a program each)."""
     return row_tiles(block_m)[1] or block_m
 
 

@@ -18,9 +18,9 @@ kernel.
 
 Rows of a program ("an M block") are routes (token t, choice j) -> route id `t * top_k + j`:
 - general mode: `align_count_kernel` and `align_scatter_kernel` sort the routes by local expert into blocks of
-  BLOCK_M rows; BLOCK_M is a power of two or the sum of two (48, 80, 96, 160, 192: an expert's 146 routes fit one
-  block of 160 or 192 where 256 would pad them by 75%), and a program computes its rows as dots of power-of-two
-  row tiles (gate/up: the larger and the smaller against one weight tile; down: a program per smaller tile);
+  BLOCK_M rows; BLOCK_M is a power of two or three times one (48, 96, 192: an expert's 146 routes fit one block
+  of 192 where 256 would pad them by 75%), and a program computes its rows as dots of power-of-two row tiles
+  (gate/up: 2/3 and 1/3 of the block against one weight tile; down: a program per third);
 - tiny mode (at most BLOCK_M routes, e.g. one decode token): no sort; the program of route
   slot s takes every route that goes to the same expert as s, and only the first such slot
   runs, so each expert's weights are read once.
@@ -149,7 +149,7 @@ def _sorted_rows(pid_m, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded
 def _row_tile(pid, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M: tl.constexpr,
               TILE_M: tl.constexpr):
     """_sorted_rows of row tile `pid` when every block is BLOCK_M // TILE_M tiles (the down
-    kernels: a program per smaller tile of a block of two row tiles)."""
+    kernels: a program per third of a block of three row tiles)."""
     per_block = BLOCK_M // TILE_M
     return _sorted_rows(pid // per_block, sorted_ptr, block_expert_ptr, block_rows_ptr, num_padded_ptr, BLOCK_M,
                         pid % per_block * TILE_M, TILE_M)
@@ -1035,8 +1035,8 @@ def down_kernel(
     rows and an N_SPLIT-th of the N tiles, walked in one loop over (N tile, K step) so that
     the next tile's loads are in flight while a tile is stored (with I of two or three K
     steps, a program per tile spends most of its time filling and draining its pipeline).
-    TILE_M2 > 0: a program takes a whole block of two row tiles as the gate/up does, its
-    larger first (TILE_M) and smaller last (TILE_M2) sharing each weight tile (mxfp4: its
+    TILE_M2 > 0: a program takes a whole block of three row tiles as the gate/up does, its
+    first two thirds (TILE_M) and last third (TILE_M2) sharing each weight tile (mxfp4: its
     decode). W_DESC: weight tiles through a tensor descriptor (weight_desc)."""
     tiles = tl.cdiv(hidden, BLOCK_N)
     if N_SPLIT == 0:

@@ -445,9 +445,8 @@ def _one_block_scale(layer: Layer, block_n: int, first_row: int) -> bool:
 
 
 def _down_row_tiles(plan: Plan, alignment: Alignment) -> tuple[int, int]:
-    """(a down program's first row tile, programs along M): a block is one tile, or as many of
-    its smaller row tile as it holds (down_tile), or two whose program takes them both (the
-    step's tile_m2)."""
+    """(a down program's first row tile, programs along M): a block is one tile, or three
+    (down_tile), or two whose program takes them both (the step's tile_m2)."""
     tile_m, _ = down_tiles(plan.block_m, bool(plan.down.tile_m2))
     return tile_m, alignment.num_blocks * (plan.block_m // tile_m)
 

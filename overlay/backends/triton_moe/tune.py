@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -106,29 +105,20 @@ def points_from_args(args: argparse.Namespace) -> list[Point]:
 # -- candidates -----------------------------------------------------------------------------
 
 
-# blocks of two power-of-two row tiles, the larger up to 128 rows (configs.row_tiles)
-TWO_TILE_BLOCKS = tuple(sorted(big + small for big in (32, 64, 128) for small in (16, 32, 64) if small < big))
-
-
 def block_m_candidates(shape: LayerShape, tokens: int) -> list[int]:
-    """The default block and the next larger one; also, from 32 routes an expert, the smallest
-    block of three row tiles (48, 96, 192) that holds an expert's routes with room to spare,
-    and the smallest of two row tiles (TWO_TILE_BLOCKS) that holds them up to one standard
-    deviation over (Kimi-K3 M=8192's 146 routes: 160, 128 + 32, which splits 12% of experts in
-    two blocks and pads the rest to 17% fewer rows than 192: 179 rows an expert on average against
-    192): each weight tile loaded (mxfp4: decoded)
-    once for all of a block's rows, where powers of two would pad a lot or split the expert in
-    two."""
+    """The default block and the next larger one; also the smallest block of three row tiles
+    (48, 96, 192) that holds an expert's routes with room to spare: each weight tile loaded
+    (mxfp4: decoded) once for all of them, where powers of two would pad a lot or split the
+    expert in two."""
     if is_tiny(tokens, shape.top_k):
         return [TINY_ROUTES]
     block_m = default_config(shape, tokens).block_m
     blocks = [block_m, block_m * 2] if block_m < 128 else [64, 128]
     per_expert = tokens * shape.top_k / shape.experts
-    if per_expert < 32:
-        return blocks
     three_tiles = next((b for b in (48, 96, 192) if b >= 1.15 * per_expert), None)
-    snug = next((b for b in TWO_TILE_BLOCKS if b >= per_expert + math.sqrt(per_expert)), None)
-    return blocks + [b for b in dict.fromkeys((three_tiles, snug)) if b and b not in blocks]
+    if per_expert >= 32 and three_tiles:
+        blocks.append(three_tiles)
+    return blocks
 
 
 def _registers(values: int, cfg: KernelConfig, target: Target) -> int:
