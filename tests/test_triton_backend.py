@@ -1080,6 +1080,16 @@ def test_bench_floor_takes_the_faster_read_and_the_formats_matrix_rate():
     assert "Floor beaten" not in table
 
 
+def test_kernel_times_are_summed_a_call_by_kernel_most_first():
+    from moe_overlay.backends.triton_moe.timing import per_call
+
+    launches = [("gate_up_kernel", 40.0), ("down_kernel", 30.0), ("gate_up_kernel", 40.0), ("down_kernel", 30.0),
+                ("sum_routes_kernel", 2.0)]
+    split = per_call(launches, calls=2)
+    assert list(split) == ["gate_up_kernel", "down_kernel", "sum_routes_kernel"]
+    assert split == pytest.approx({"gate_up_kernel": 40e-6, "down_kernel": 30e-6, "sum_routes_kernel": 1e-6})
+
+
 def test_bench_says_the_floor_is_wrong_where_a_layer_beats_it():
     from moe_overlay.backends.triton_moe.bench import Bandwidth, Rates, Row, floors_beaten, markdown
 

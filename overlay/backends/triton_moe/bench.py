@@ -51,7 +51,7 @@ from ..problems import (
 )
 from . import launch
 from .target import add_target_argument, current_target, use_target
-from .timing import graph_replay_seconds
+from .timing import graph_replay_seconds, kernel_seconds
 
 COPY_BYTES = 4 * 2**30  # a device-to-device copy of at least 4 GB
 READ_BYTES = 4 * 2**30
@@ -275,15 +275,16 @@ def bench_model(name: str, weights: str, tokens: list[int], rates: Rates, explai
     for m in tokens:
         if explain:
             print(f"{name:12s} M={m:5d} plan: {call_plan(prepared, m).describe()}", flush=True)
-        rows.append(bench_point(name, spec, tensors, prepared, peer, m, rates))
+        rows.append(bench_point(name, spec, tensors, prepared, peer, m, rates, explain))
     del prepared, tensors, peer
     torch.cuda.empty_cache()
     return rows
 
 
 def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prepared: mo.PreparedExperts,
-                peer: mo.PreparedExperts | None, m: int, rates: Rates) -> Row:
-    """One point; the peer is `peer`'s Triton layer (bf16), or torch._grouped_mm when None."""
+                peer: mo.PreparedExperts | None, m: int, rates: Rates, explain: bool = False) -> Row:
+    """One point; the peer is `peer`'s Triton layer (bf16), or torch._grouped_mm when None.
+    With `explain`, also each kernel's GPU time a call of the Triton layer."""
     calls = random_calls(m, spec, "cuda", ROUTINGS, seed=10)
     x, w, ids = calls[0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -293,7 +294,15 @@ def bench_point(name: str, spec: MoESpec, tensors: dict[str, torch.Tensor], prep
     torch.cuda.synchronize()
     reference_s = start.elapsed_time(end) / 1e3  # eager: its per-expert nonzero() syncs, no graph
     triton_err = relative_error(prepared.apply(x, w, ids), ref)
-    triton_s = graph_replay_seconds(lambda: [prepared.apply(*c) for c in calls]) / ROUTINGS
+
+    def triton_calls() -> list[torch.Tensor]:
+        return [prepared.apply(*c) for c in calls]
+
+    triton_s = graph_replay_seconds(triton_calls) / ROUTINGS
+    if explain:
+        split = kernel_seconds(triton_calls)
+        print(f"{name:12s} M={m:5d} kernels a call: "
+              + ", ".join(f"{kernel} {s / ROUTINGS * 1e6:.1f} us" for kernel, s in split.items()), flush=True)
     if peer is None:
         w13_t, w2_t = tensors["w13"].transpose(1, 2), tensors["w2"].transpose(1, 2)  # column-major B, as cuBLAS likes
         peer_err = relative_error(grouped_mm_experts(spec, w13_t, w2_t, x, w, ids), ref)
@@ -416,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     add_target_argument(parser)
     parser.add_argument("--explain", action="store_true",
-                        help="also print each point's plan: the kernel and tiles of each step")
+                        help="also print each point's plan (the kernel and tiles of each step) and each "
+                             "kernel's GPU time a call")
     args = parser.parse_args(argv)
     use_target(args.target)
     if not torch.cuda.is_available():

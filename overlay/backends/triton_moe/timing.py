@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -43,3 +44,27 @@ def graph_replay_seconds(fn: Callable[[], object], replays: int = 10, warmup_s: 
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in marks) / 1e3
+
+
+def kernel_seconds(fn: Callable[[], object], calls: int = 5) -> dict[str, float]:
+    """GPU seconds a call of `fn` spends in each kernel it launches, most first: where a layer's
+    time goes (torch's profiler over `calls` eager calls, after one that warms up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return per_call(((e.name, e.device_time) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA), calls)
+
+
+def per_call(kernel_us: Iterable[tuple[str, float]], calls: int) -> dict[str, float]:
+    """(kernel, microseconds) of each launch over `calls` calls -> seconds a call by kernel, most
+    first."""
+    totals: Counter[str] = Counter()
+    for name, us in kernel_us:
+        totals[name] += us
+    return {name: us / calls / 1e6 for name, us in totals.most_common()}
