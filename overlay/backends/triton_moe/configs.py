@@ -109,6 +109,15 @@ def down_tile(block_m: int) -> int:
     return row_tiles(block_m)[1] or block_m
 
 
+def with_dot_warps(cfg: KernelConfig, block_m: int, shape: LayerShape, target: Target, gate_up: bool) -> KernelConfig:
+    """`cfg`, a dot GEMM's in blocks of `block_m`, with the warps its dots run on
+    (Target.dot_warps): as many as the MFMA tiles of the smaller row tile (down_tile: both
+    GEMMs' where a block has two) by its columns (the gate/up's interleaved gate and up rows
+    count twice) allow."""
+    columns = cfg.block_n * (2 if gate_up and shape.interleaved else 1)
+    return replace(cfg, num_warps=target.dot_warps(cfg.num_warps, down_tile(block_m), columns))
+
+
 def down_tiles(block_m: int, whole_block: bool) -> tuple[int, int]:
     """A down program's row tiles: down_tile's one, or (whole_block) the gate/up's two."""
     return row_tiles(block_m) if whole_block else (down_tile(block_m), 0)

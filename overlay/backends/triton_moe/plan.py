@@ -11,7 +11,7 @@ is Hopper and the entry asks for them; every other target runs the portable `tl`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -30,6 +30,7 @@ from .configs import (
     row_tiles,
     tiny_route_split,
     weights_tag,
+    with_dot_warps,
 )
 from .target import Target
 
@@ -205,9 +206,7 @@ def _gate_up_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target
         if not tiny and first and _gluon_block_fp8_fits(layer, config):
             return Step(GLUON_BLOCK_FP8, cfg, quantise_first=True)
     tile_m, tile_m2 = row_tiles(config.block_m)
-    # the dots' warps as the target runs them (Target.dot_warps), the smaller row tile where there are two
-    cfg = replace(cfg, num_warps=target.dot_warps(cfg.num_warps, tile_m2 or tile_m,
-                                                  cfg.block_n * (2 if layer.shape.interleaved else 1)))
+    cfg = with_dot_warps(cfg, config.block_m, layer.shape, target, gate_up=True)
     return Step(GATE_UP, cfg, quantise_first=first, weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and layer.shape.interleaved and target.hopper, kpack=_kpack(cfg, target),
                 mx_dequant=_mx_dequant(layer, cfg) and not layer.mx_units)
@@ -229,7 +228,7 @@ def _down_step(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -
     if cfg.whole_block and kind == RESIDENT:
         raise ValueError(f"whole_block is for the tiled and streamed down, not the resident one: {cfg}")
     tile_m, tile_m2 = down_tiles(config.block_m, cfg.whole_block)
-    cfg = replace(cfg, num_warps=target.dot_warps(cfg.num_warps, tile_m2 or tile_m, cfg.block_n))
+    cfg = with_dot_warps(cfg, config.block_m, layer.shape, target, gate_up=False)
     return Step(kind, cfg, quantise_first=quantise_first(layer, cfg.block_k),
                 weight_left=_weight_left(layer, cfg, tile_m2 or tile_m, target),
                 descriptors=cfg.descriptors and target.hopper and (kind == RESIDENT or layer.down_pack == 1),

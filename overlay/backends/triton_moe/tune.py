@@ -48,6 +48,7 @@ from .configs import (
     shared_limit,
     stage_bytes,
     tiny_route_split,
+    with_dot_warps,
 )
 from .target import Target, add_target_argument, current_target, use_target
 
@@ -345,16 +346,12 @@ def candidates(point: Point, target: Target) -> list[Candidates]:
 
 
 def _as_run(shape: LayerShape, cands: Candidates, tiny: bool, target: Target) -> Candidates:
-    """Each candidate with the warps its dots run on (Target.dot_warps, as the plan has them:
+    """Each candidate with the warps its dots run on (configs.with_dot_warps, as the plan has them:
     on AMD no more than their MFMA tiles; the gemv gate/up and tiny mode's down have no dot),
     each once: an entry records what runs, and no launch is timed twice."""
-    rows = down_tile(cands.block_m)  # the smaller row tile: the gate/up's second, the down's
-
-    def run(cfg: KernelConfig, columns: int) -> KernelConfig:
-        return replace(cfg, num_warps=target.dot_warps(cfg.num_warps, rows, columns))
-
-    gate_ups = [g if g.gemv else run(g, g.block_n * (2 if shape.interleaved else 1)) for g in cands.gate_up]
-    downs = cands.down if tiny else [run(d, d.block_n) for d in cands.down]
+    b = cands.block_m
+    gate_ups = [g if g.gemv else with_dot_warps(g, b, shape, target, gate_up=True) for g in cands.gate_up]
+    downs = cands.down if tiny else [with_dot_warps(d, b, shape, target, gate_up=False) for d in cands.down]
     return Candidates(cands.block_m, list(dict.fromkeys(gate_ups)), list(dict.fromkeys(downs)))
 
 
