@@ -116,6 +116,34 @@ def test_small_layers_match_the_reference(spec, m):
     _check(spec, m, tol=1e-2)
 
 
+@needs_cuda
+def test_target_mode_holds_the_stand_ins_sm_to_a_compute_units_programs(monkeypatch):
+    """`--unit-programs` on an NVIDIA GPU standing in for gfx942: the layer's output is as
+    without, and each loaded GEMM kernel's carveout, read back from the driver, is what
+    standin.hold asked for the programs gfx942's CU holds of its step."""
+    import ctypes
+
+    from moe_overlay.backends.triton_moe import standin, target
+
+    if torch.version.hip is not None:
+        pytest.skip("a stand-in is an NVIDIA GPU")
+    monkeypatch.setenv(target.TARGET_ENV, os.environ.get(target.TARGET_ENV) or "gfx942")
+    monkeypatch.setenv(target.UNIT_ENV, "1")
+    monkeypatch.setattr(standin, "_held", {})
+    spec = mo.MoESpec(8, 256, 128, 2, dtype=DTYPE)
+    for _ in range(2):  # held from the second launch of each kernel on
+        _check(spec, 40, tol=1e-2)
+    steps = _plan(spec, 40)
+    assert steps.target.unit_programs
+    held = {function: asked for function, asked in standin._held.items() if asked[0]}
+    expected = {steps.target.programs_a_unit(step.lds, step.config.num_warps) for step in (steps.gate_up, steps.down)}
+    assert expected <= {programs for programs, _ in held.values()}, (expected, held)
+    for function, (_, percent) in held.items():
+        value = ctypes.c_int()
+        assert standin._cuda().cuFuncGetAttribute(ctypes.byref(value), standin.CARVEOUT, ctypes.c_void_p(function)) == 0
+        assert value.value == percent
+
+
 KERNEL = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 2}
 KERNEL_MX = {**KERNEL, "block_k": 64}  # mxfp4 K steps: whole 64-K chunks (mx_units)
 MXFP4 = mo.QuantSpec("mxfp4")

@@ -22,6 +22,7 @@ KIMI = model("Kimi-K3").spec
 def _no_target_mode(monkeypatch):
     monkeypatch.delenv(TARGET_ENV, raising=False)
     monkeypatch.delenv(MX_LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(target.UNIT_ENV, raising=False)
 
 
 def test_an_nvidia_gpu_stands_in_for_an_amd_target_with_its_limits_and_none_of_nvidias_features(monkeypatch):
@@ -112,7 +113,7 @@ def test_target_mode_reads_the_targets_entries_only_fitted_to_its_lds():
     gfx942 = AMD_TARGETS["gfx942"]
     fitted = configs.fit_shared(h200, shape, 1024, gfx942)
     assert fitted.gate_up.num_stages < 6 and all(
-        used <= 64 * 1024 for used in configs.shared_bytes(fitted, shape, 1024, gfx942).values())
+        used <= 64 * 1024 for used in configs.shared_bytes(fitted, shape, False, gfx942).values())
     # gfx942 holds one stage of a pipeline in registers: two stages, one LDS buffer
     assert [gfx942.shared_stages(n) for n in (1, 2, 3)] == [1, 1, 2]
     assert [AMD_TARGETS["gfx950"].shared_stages(n) for n in (1, 2, 3)] == [1, 2, 3]
@@ -278,3 +279,60 @@ def test_the_tuner_times_on_an_amd_target_only_what_the_plan_runs_each_once():
 def _entry(block_m: int, stages: int) -> dict:
     kernel = {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": stages, "group_m": 8}
     return {"block_m": block_m, "gate_up": kernel, "down": kernel}
+
+
+def test_target_mode_can_hold_a_stand_ins_sm_to_the_programs_a_targets_compute_unit_holds(monkeypatch):
+    """`--unit-programs`: each kernel's preferred shared-memory carveout lets an SM hold as
+    many of its programs as the target's CU would hold by LDS (its 64 KiB on gfx942, the most a
+    program may take) and wave slots, asked once a loaded kernel; not outside target mode."""
+    pytest.importorskip("triton")
+    from moe_overlay.backends.triton_moe import plan, standin
+
+    gfx942, gfx950 = AMD_TARGETS["gfx942"], AMD_TARGETS["gfx950"]
+    assert [gfx942.programs_a_unit(lds, 4) for lds in (40960, 32768, 12288, 0)] == [1, 2, 5, 8]
+    assert (gfx942.programs_a_unit(0, 8), gfx942.programs_a_unit(0, 1), gfx950.programs_a_unit(57344, 4)) == (4, 8, 2)
+    # one program of 80 KiB on the stand-in with the driver's 1 KiB: 81 KiB of an H100's 228, rounded up
+    assert standin.carveout_percent(1, 80 * 1024, 1024, 228 * 1024) == 36
+    assert standin.carveout_percent(8, 0, 1024, 228 * 1024) == 4
+    assert standin.carveout_percent(5, 64 * 1024, 1024, 228 * 1024) == 100
+    # asked for by the environment (the bench's and the tuner's --unit-programs), in target mode only
+    monkeypatch.setenv(target.UNIT_ENV, "1")
+    with pytest.raises(ValueError, match=f"{target.UNIT_ENV}=1 is for target mode: set {TARGET_ENV} too"):
+        target.stand_in(nvidia_target(90), "NVIDIA H200")
+    monkeypatch.setenv(TARGET_ENV, "gfx942")
+    held = target.stand_in(nvidia_target(90), "NVIDIA H200")
+    assert held.unit_programs and "an SM holding the programs a compute unit would" in held.describe()
+    monkeypatch.setenv(target.UNIT_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{target.UNIT_ENV}='yes': use 1"):
+        target.stand_in(nvidia_target(90), "NVIDIA H200")
+    # the plan carries each step's LDS on the target, the same sum configs fits entries with
+    layer = plan.Layer(configs.LayerShape(896, 3584, 384, 16, "bf16"), "situ")
+    config = configs.LaunchConfig(192, configs.KernelConfig(64, 64, 4, 2), configs.KernelConfig(256, 64, 4, 2))
+    steps = plan.make_plan(layer, config, False, held)
+    assert {"gate_up": steps.gate_up.lds, "down": steps.down.lds} == configs.shared_bytes(
+        config, layer.shape, False, held) and steps.gate_up.lds == 40960
+    # a launched kernel is held once: its carveout asked of the driver for the programs gfx942 holds
+    asked = []
+
+    class Driver:
+        def cuFuncSetAttribute(self, function, attribute, value):
+            asked.append((function.value, attribute, value))
+            return 0
+
+    class Loaded:
+        function = 0x1234
+        metadata = type("Metadata", (), {"num_warps": 4, "shared": 80 * 1024})
+
+    monkeypatch.setattr(standin, "_cuda", Driver)
+    monkeypatch.setattr(standin, "_sm_shared", lambda index: (228 * 1024, 1024))
+    monkeypatch.setattr(standin, "_device_index", lambda: 0)
+    monkeypatch.setattr(standin, "_held", {})
+    monkeypatch.setattr(standin, "current_target", lambda: held)
+    standin.hold(Loaded(), steps.gate_up.lds)
+    standin.hold(Loaded(), steps.gate_up.lds)
+    standin.hold(None, 0)  # the CPU interpreter's launch returns no kernel
+    assert asked == [(0x1234, standin.CARVEOUT, 36)]
+    monkeypatch.setattr(standin, "_held", {})
+    monkeypatch.setattr(standin, "current_target", lambda: replace(held, unit_programs=False))
+    standin.hold(Loaded(), steps.gate_up.lds)
+    assert len(asked) == 1  # not asked for: the stand-in's own occupancy

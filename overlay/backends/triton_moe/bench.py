@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print each point's plan (the kernel and tiles of each step) and each "
                              "kernel's GPU time a call")
     args = parser.parse_args(argv)
-    use_target(args.target)
+    use_target(args.target, args.unit_programs)
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA or ROCm GPU")
         return 1

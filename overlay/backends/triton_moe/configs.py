@@ -151,16 +151,16 @@ def device_shared_bytes(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or 64 * 1024
 
 
-def shared_bytes(config: LaunchConfig, shape: LayerShape, num_tokens: int, target: Target) -> dict[str, int]:
-    """Shared memory each GEMM of a launch keeps its pipelined tiles in on `target`, by
-    "gate_up" and "down" (stage_bytes for the stages the target keeps there, resident_bytes);
-    the gemv gate/up and tiny mode's down keep none."""
+def shared_bytes(config: LaunchConfig, shape: LayerShape, tiny: bool, target: Target) -> dict[str, int]:
+    """Shared memory each GEMM of a launch (`tiny`: in tiny mode) keeps its pipelined tiles in on
+    `target`, by "gate_up" and "down" (stage_bytes for the stages the target keeps there,
+    resident_bytes); the gemv gate/up and tiny mode's down keep none."""
     used = {}
-    sorted_fp8 = shape.fp8 and not is_tiny(num_tokens, shape.top_k)  # activations quantised first: 1 byte
+    sorted_fp8 = shape.fp8 and not tiny  # activations quantised first: 1 byte
     if not config.gate_up.gemv:
         used["gate_up"] = target.shared_stages(config.gate_up.num_stages) * stage_bytes(
             config.block_m, config.gate_up, 2, shape.weight_bytes, 1 if sorted_fp8 else 2)
-    if not is_tiny(num_tokens, shape.top_k):
+    if not tiny:
         rows = sum(down_tiles(config.block_m, config.down.whole_block))
         used["down"] = (resident_bytes(rows, config.down, shape, target) if shape.down_kind(config.down) == "resident"
                         else target.shared_stages(config.down.num_stages) * stage_bytes(
@@ -175,11 +175,12 @@ def fit_shared(config: LaunchConfig, shape: LayerShape, num_tokens: int, target:
     H200, and a kernel over its device's limit does not launch."""
     if not target.tile_bytes:
         return config
-    for gemm, used in shared_bytes(config, shape, num_tokens, target).items():
+    tiny = is_tiny(num_tokens, shape.top_k)
+    for gemm, used in shared_bytes(config, shape, tiny, target).items():
         while used > target.tile_bytes and getattr(config, gemm).num_stages > 1:
             cfg = getattr(config, gemm)
             config = replace(config, **{gemm: replace(cfg, num_stages=cfg.num_stages - 1)})
-            used = shared_bytes(config, shape, num_tokens, target)[gemm]
+            used = shared_bytes(config, shape, tiny, target)[gemm]
     return config
 
 

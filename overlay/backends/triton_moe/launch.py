@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kernels
+from . import kernels, standin
 from .configs import (
     FP8_GEMV_STEPS,
     TINY_DOWN_COLUMNS,
@@ -73,24 +73,26 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
-def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, lds: int = 0, **kwargs: object) -> None:
+    """Launch (or, within compile_only, compile) `kernel`; `lds`: its tiles' LDS on the target
+    (plan.Step.lds), for target mode's hold on the stand-in's programs an SM (standin.hold)."""
     w_quant = kwargs.get("W_QUANT")  # fp8 dots: W_QUANT's fp8 formats, or the resident down's FP8_STEPS
     fp8 = getattr(w_quant, "value", w_quant) in FP8_W_QUANT or bool(kwargs.get("FP8_STEPS"))
     if (fp8 and isinstance(kernel, triton.runtime.jit.JITFunction)  # (Triton's CPU interpreter: no JITFunction)
             and _block_pingpong_fails(triton.runtime.driver.active.get_current_device())):
         with triton.knobs.amd.scope():
             triton.knobs.amd.use_block_pingpong = False
-            _compile_or_run(kernel, grid, args, kwargs)
+            _compile_or_run(kernel, grid, args, kwargs, lds)
     else:
-        _compile_or_run(kernel, grid, args, kwargs)
+        _compile_or_run(kernel, grid, args, kwargs, lds)
 
 
 def _compile_or_run(kernel: triton.JITFunction, grid: tuple[int, ...], args: tuple[object, ...],
-                    kwargs: dict[str, object]) -> None:
+                    kwargs: dict[str, object], lds: int) -> None:
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
-        kernel[grid](*args, **kwargs)
+        standin.hold(kernel[grid](*args, **kwargs), lds)
 
 
 @cache
@@ -333,7 +335,7 @@ def gate_up(
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=step.weight_left,
         BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.target.compile_options(step.kpack),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds, **plan.target.compile_options(step.kpack),
     )
 
 
@@ -408,7 +410,7 @@ def down(
             FP8_STEPS=triton.cdiv(layer.shape.inter, QUANT_GROUP) if a_fp8 else 0,
             ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
             N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.target.compile_options(step.kpack),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds, **plan.target.compile_options(step.kpack),
         )
         return
     if step.kernel == GLUON_MX:
@@ -433,7 +435,7 @@ def down(
         MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant, W_DESC=_descriptors(step, w2),
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
         N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=step.tile_m2, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds,
         **plan.target.compile_options(step.kpack),
     )
 

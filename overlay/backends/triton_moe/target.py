@@ -11,6 +11,8 @@ AMD compiler and its matrix instructions, a wave of 64 lanes (4 warps are 256 th
 there, 128 here), gfx950's fp4 conversion instructions (tl.dot_scaled's decode runs in
 plain instructions here), and fp8's flavour (gfx942's e4m3fnuz runs as e4m3fn: same bytes,
 same speed). `make amd-report` compiles the target's entries for the target itself.
+MOE_OVERLAY_TRITON_UNIT_PROGRAMS=1 (`--unit-programs`) also holds each kernel to as many
+programs an SM as the target's compute unit would hold (standin.py), by LDS and wave slots.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from functools import cache
 TARGET_ENV = "MOE_OVERLAY_TRITON_TARGET"
 MX_LAYOUT_ENV = "MOE_OVERLAY_TRITON_MX_LAYOUT"  # words | bytes | units: measure another mxfp4 layout on a target
 MX_LAYOUTS = ("words", "bytes", "units")
+UNIT_ENV = "MOE_OVERLAY_TRITON_UNIT_PROGRAMS"  # 1: a stand-in's SM holds the programs a target's CU would (standin.py)
+MAX_WAVES_A_SIMD = 8  # gfx942 and gfx950
+SIMDS_A_UNIT = 4  # an AMD compute unit's SIMDs: a program's 4 waves take one each
 NVIDIA_SHARED_BYTES = 227 * 1024  # a program's shared memory at most on Hopper (sm_90); the device says its own
 
 
@@ -49,6 +54,8 @@ class Target:
     fp4_instructions: bool = False  # e2m1 conversion instructions (gfx950): tl.dot_scaled's decode is one a pair
     resident_in_registers: bool = False  # the resident down's activation block passes through shared memory
     # once and stays in registers, its buffer then reused by the weight stages (AMD: `make amd-report`'s LDS)
+    unit_programs: bool = False  # target mode (UNIT_ENV): each kernel held on the stand-in to as many programs an SM
+    # as the target's compute unit holds (programs_a_unit; standin.hold)
 
     @property
     def tile_bytes(self) -> int:
@@ -68,6 +75,15 @@ class Target:
         if self.vendor != "amd" or self.stands_in:
             return {}
         return {"matrix_instr_nonkdim": self.mfma_size, **({"kpack": kpack} if kpack > 1 else {})}
+
+    def programs_a_unit(self, lds_bytes: int, num_warps: int) -> int:
+        """Programs of `num_warps` warps (waves on AMD) and `lds_bytes` of LDS that one compute
+        unit of this AMD target holds at once: its LDS (a CU's, the most a program may take:
+        64 KiB on gfx942, 160 on gfx950) over theirs, and MAX_WAVES_A_SIMD waves on each of its
+        SIMDs. Registers are not counted (`make amd-report`'s waves a SIMD counts them)."""
+        by_lds = self.shared_bytes // lds_bytes if lds_bytes else MAX_WAVES_A_SIMD * SIMDS_A_UNIT
+        by_waves = MAX_WAVES_A_SIMD * SIMDS_A_UNIT // max(num_warps, SIMDS_A_UNIT)
+        return max(min(by_lds, by_waves), 1)
 
     def dot_warps(self, num_warps: int, rows: int, columns: int) -> int:
         """The warps a kernel of `num_warps` runs whose dots are `rows` x `columns`: on a target
@@ -99,8 +115,9 @@ class Target:
             kind += f", its own launch entries ({self.mx_entries})"
         where = f"stood in for by {self.stands_in}" if self.stands_in else "this GPU"
         nvidia = "Gluon, PDL, tensor descriptors" if self.hopper else "no NVIDIA-only kernels"
+        unit = ", an SM holding the programs a compute unit would" if self.unit_programs else ""
         return (f"target {self.arch} ({where}): {self.shared_bytes // 1024} KiB of shared memory a program, "
-                f"mxfp4 as {kind}, {nvidia}")
+                f"mxfp4 as {kind}, {nvidia}{unit}")
 
 
 # AMD Instinct targets: 64 KiB of LDS a workgroup on gfx942, 160 KiB on gfx950; kernels took up
@@ -143,7 +160,9 @@ def stand_in(real: Target, device_name: str) -> Target:
         if real.vendor == "amd" and real.arch != named:
             raise ValueError(f"{TARGET_ENV}={named} cannot run on {real.arch}: an AMD GPU runs as itself")
         if real.vendor == "nvidia":
-            target = replace(AMD_TARGETS[named], stands_in=device_name)
+            target = replace(AMD_TARGETS[named], stands_in=device_name, unit_programs=_unit_programs())
+    elif _unit_programs():
+        raise ValueError(f"{UNIT_ENV}=1 is for target mode: set {TARGET_ENV} too (gfx942 or gfx950)")
     layout = os.environ.get(MX_LAYOUT_ENV, "")
     if layout:
         if layout not in MX_LAYOUTS:
@@ -151,6 +170,13 @@ def stand_in(real: Target, device_name: str) -> Target:
         if layout != target.mx_layout:
             target = replace(target, mx_words=layout == "words", mx_units=layout == "units", mx_entries=layout)
     return target
+
+
+def _unit_programs() -> bool:
+    value = os.environ.get(UNIT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{UNIT_ENV}={value!r}: use 1 (an SM holds a compute unit's programs) or 0")
+    return value == "1"
 
 
 def platform_target(vendor: str, arch: str, device_name: str) -> Target:
@@ -174,12 +200,12 @@ def current_target() -> Target:
         return platform_target("cpu", "", "")
     gpu = triton.runtime.driver.active.get_current_target()
     return _target_of(gpu.backend, str(gpu.arch), os.environ.get(TARGET_ENV, ""),
-                      os.environ.get(MX_LAYOUT_ENV, ""))
+                      os.environ.get(MX_LAYOUT_ENV, ""), os.environ.get(UNIT_ENV, ""))
 
 
 @cache
-def _target_of(backend: str, arch: str, named: str, layout: str) -> Target:
-    """(The environment's two names key the cache: stand_in reads them.)"""
+def _target_of(backend: str, arch: str, named: str, layout: str, unit: str) -> Target:
+    """(The environment's three names key the cache: stand_in reads them.)"""
     if backend == "hip":
         return platform_target("amd", arch, arch)
     return platform_target("nvidia", f"sm_{arch}", _device_name())
@@ -196,9 +222,16 @@ def add_target_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=list(AMD_TARGETS), default=os.environ.get(TARGET_ENV) or None,
                         help=f"target mode: this NVIDIA GPU stands in for an AMD target, running only what it "
                              f"would (default: ${TARGET_ENV}, else the GPU as itself)")
+    parser.add_argument("--unit-programs", action="store_true", default=os.environ.get(UNIT_ENV) == "1",
+                        help=f"target mode: also hold each kernel to as many programs an SM as the target's "
+                             f"compute unit holds, by its LDS and wave slots (default: ${UNIT_ENV}=1)")
 
 
-def use_target(named: str | None) -> None:
+def use_target(named: str | None, unit_programs: bool = False) -> None:
     """Target mode from here on, for this process and those it starts (the tuner's compilers)."""
+    if unit_programs and not (named or os.environ.get(TARGET_ENV)):
+        raise SystemExit(f"--unit-programs is for target mode: name a target with --target (or {TARGET_ENV})")
     if named:
         os.environ[TARGET_ENV] = named
+    if unit_programs:
+        os.environ[UNIT_ENV] = "1"

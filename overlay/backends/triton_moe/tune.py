@@ -641,7 +641,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("moe-overlay tune needs a CUDA or ROCm GPU")
         return 1
-    use_target(args.target)
+    use_target(args.target, args.unit_programs)
     gpu = torch.device("cuda", torch.cuda.current_device())
     target = current_target()
     target = replace(target, shared_bytes=shared_limit(gpu, target))

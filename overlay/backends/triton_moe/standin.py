@@ -1,0 +1,78 @@
+"""Target mode's hold on the stand-in GPU's occupancy (target.UNIT_ENV): each kernel is held to
+as many programs an SM as the AMD target's compute unit would hold of it.
+
+A gfx942 CU has 64 KiB of LDS, the most one program may take: a program of 40 KiB runs alone
+there, where an H100 or H200 SM (228 KiB of shared memory) holds five of its stand-in, and
+their warps hide each other's waits as gfx942's one wave a SIMD cannot. The hold asks the
+CUDA driver, through the kernel's preferred shared-memory carveout, for no more shared memory
+an SM than that many programs of the stand-in's own kernel take, each with the driver's
+reserved share; the driver rounds up to a carveout it has, so an SM may hold a few more
+programs than the target's CU, never fewer. A kernel is held from its second launch on (its
+first loads it); the benchmark and the tuner warm up before they time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+from .target import current_target
+
+CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: percent of an SM's shared memory
+SM_SHARED = 81  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+RESERVED_A_PROGRAM = 111  # CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK
+
+_held: dict[int, tuple[int, int]] = {}  # loaded kernel (CUfunction) -> (programs an SM, carveout %); 0s: not held
+
+
+def carveout_percent(programs: int, program_bytes: int, reserved_bytes: int, sm_bytes: int) -> int:
+    """The carveout (percent of `sm_bytes`, rounded up) that holds `programs` programs of
+    `program_bytes` shared memory and `reserved_bytes` the driver keeps for each."""
+    needed = programs * (program_bytes + reserved_bytes)
+    return min(max(-(-100 * needed // sm_bytes), 1), 100)
+
+
+def hold(compiled: object, lds_bytes: int) -> None:
+    """Hold `compiled` (a launched Triton kernel) to the programs an SM that the target's compute
+    unit holds of a program of `lds_bytes` LDS on the target (plan.Step.lds; 0 for kernels
+    without tiles there), where target mode asks (target.Target.unit_programs). Once a kernel."""
+    function = getattr(compiled, "function", None)  # (the CPU interpreter returns no kernel)
+    if not function or function in _held:
+        return
+    target = current_target()
+    programs = percent = 0
+    if target.unit_programs:
+        programs = target.programs_a_unit(lds_bytes, compiled.metadata.num_warps)
+        sm_bytes, reserved = _sm_shared(_device_index())
+        percent = carveout_percent(programs, compiled.metadata.shared, reserved, sm_bytes)
+        _check(_cuda().cuFuncSetAttribute(ctypes.c_void_p(function), CARVEOUT, percent), "cuFuncSetAttribute")
+    _held[function] = programs, percent
+
+
+@cache
+def _cuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _device_index() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+@cache
+def _sm_shared(index: int) -> tuple[int, int]:
+    """(shared memory an SM, reserved a program) of CUDA device `index`, in bytes."""
+    device = ctypes.c_int()
+    _check(_cuda().cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    values = []
+    for attribute in (SM_SHARED, RESERVED_A_PROGRAM):
+        value = ctypes.c_int()
+        _check(_cuda().cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "cuDeviceGetAttribute")
+        values.append(value.value)
+    return values[0], values[1]
+
+
+def _check(result: int, call: str) -> None:
+    if result:
+        raise RuntimeError(f"{call} failed (CUDA error {result}) holding a kernel to a target's programs an SM")
