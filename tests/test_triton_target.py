@@ -290,7 +290,8 @@ def test_target_mode_can_hold_a_stand_ins_sm_to_the_programs_a_targets_compute_u
 
     gfx942, gfx950 = AMD_TARGETS["gfx942"], AMD_TARGETS["gfx950"]
     assert [gfx942.programs_a_unit(lds, 4) for lds in (40960, 32768, 12288, 0)] == [1, 2, 5, 8]
-    assert (gfx942.programs_a_unit(0, 8), gfx942.programs_a_unit(0, 1), gfx950.programs_a_unit(57344, 4)) == (4, 8, 2)
+    assert (gfx942.programs_a_unit(0, 8), gfx942.programs_a_unit(0, 1), gfx950.programs_a_unit(57344, 4)) == (4, 32, 2)
+    assert gfx942.programs_a_unit(80 * 1024, 4) == 0  # over the CU's LDS: none fits
     # one program of 80 KiB on the stand-in with the driver's 1 KiB: 81 KiB of an H100's 228, rounded up
     assert standin.carveout_percent(1, 80 * 1024, 1024, 228 * 1024) == 36
     assert standin.carveout_percent(8, 0, 1024, 228 * 1024) == 4

@@ -30,14 +30,11 @@ from . import kernels, launch
 from .configs import LaunchConfig, LayerShape, current_table, launch_config, lookup, table_devices
 from .offline import absent_gpu, fresh_device
 from .plan import gluon_kernels
-from .target import AMD_TARGETS, Target, current_target
+from .target import AMD_TARGETS, MAX_WAVES_A_SIMD, SIMDS_A_UNIT, Target, current_target
 
 FORMATS = ("bf16", "fp8-block", "mxfp4")
 REGISTERS_A_SIMD_LANE = 512  # gfx942 and gfx950: VGPRs and AGPRs together, per lane of a SIMD
 REGISTER_GRANULE = 8
-MAX_WAVES_A_SIMD = 8
-SIMDS_A_CU = 4
-LDS_A_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 COMPILE_EXPERTS = 4  # experts a top-k route compiles with (the kernels take E unspecialised)
 
 
@@ -69,12 +66,13 @@ class Resources:
     def waves_a_simd(self, arch: str) -> int:
         """Waves of this kernel a SIMD holds at once: by registers (`vgprs`, the metadata's
         vgpr_count, is VGPRs and AGPRs together, which share the lane's 512) and by LDS (the
-        workgroups a CU holds, their waves over its 4 SIMDs)."""
+        workgroups a CU holds, Target.programs_a_unit, their waves over its SIMDs)."""
         used = -(-self.vgprs // REGISTER_GRANULE) * REGISTER_GRANULE
         by_registers = min(MAX_WAVES_A_SIMD, REGISTERS_A_SIMD_LANE // max(used, 1))
         if not self.lds:
             return by_registers
-        return min(by_registers, LDS_A_CU[arch] // self.lds * self.num_warps // SIMDS_A_CU)
+        programs = AMD_TARGETS[arch].programs_a_unit(self.lds, self.num_warps)
+        return min(by_registers, programs * self.num_warps // SIMDS_A_UNIT)
 
     def problems(self, target: Target) -> list[str]:
         out = [f"{n} {kind} spilled" for n, kind in ((self.vgpr_spills, "VGPRs"), (self.sgpr_spills, "SGPRs")) if n]

@@ -7,7 +7,8 @@ their warps hide each other's waits as gfx942's one wave a SIMD cannot. The hold
 CUDA driver, through the kernel's preferred shared-memory carveout, for no more shared memory
 an SM than that many programs of the stand-in's own kernel take, each with the driver's
 reserved share; the driver rounds up to a carveout it has, so an SM may hold a few more
-programs than the target's CU, never fewer. A kernel is held from its second launch on (its
+programs than the target's CU, never fewer (and one, where the target's CU could hold
+none). A kernel is held from its second launch on (its
 first loads it); the benchmark and the tuner warm up before they time.
 """
 
@@ -65,12 +66,13 @@ def _sm_shared(index: int) -> tuple[int, int]:
     """(shared memory an SM, reserved a program) of CUDA device `index`, in bytes."""
     device = ctypes.c_int()
     _check(_cuda().cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
-    values = []
-    for attribute in (SM_SHARED, RESERVED_A_PROGRAM):
+
+    def attribute(which: int) -> int:
         value = ctypes.c_int()
-        _check(_cuda().cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "cuDeviceGetAttribute")
-        values.append(value.value)
-    return values[0], values[1]
+        _check(_cuda().cuDeviceGetAttribute(ctypes.byref(value), which, device), "cuDeviceGetAttribute")
+        return value.value
+
+    return attribute(SM_SHARED), attribute(RESERVED_A_PROGRAM)
 
 
 def _check(result: int, call: str) -> None:

@@ -27,7 +27,7 @@ MX_LAYOUT_ENV = "MOE_OVERLAY_TRITON_MX_LAYOUT"  # words | bytes | units: measure
 MX_LAYOUTS = ("words", "bytes", "units")
 UNIT_ENV = "MOE_OVERLAY_TRITON_UNIT_PROGRAMS"  # 1: a stand-in's SM holds the programs a target's CU would (standin.py)
 MAX_WAVES_A_SIMD = 8  # gfx942 and gfx950
-SIMDS_A_UNIT = 4  # an AMD compute unit's SIMDs: a program's 4 waves take one each
+SIMDS_A_UNIT = 4  # an AMD compute unit's SIMDs: a program's waves spread over them
 NVIDIA_SHARED_BYTES = 227 * 1024  # a program's shared memory at most on Hopper (sm_90); the device says its own
 
 
@@ -78,12 +78,12 @@ class Target:
 
     def programs_a_unit(self, lds_bytes: int, num_warps: int) -> int:
         """Programs of `num_warps` warps (waves on AMD) and `lds_bytes` of LDS that one compute
-        unit of this AMD target holds at once: its LDS (a CU's, the most a program may take:
-        64 KiB on gfx942, 160 on gfx950) over theirs, and MAX_WAVES_A_SIMD waves on each of its
-        SIMDs. Registers are not counted (`make amd-report`'s waves a SIMD counts them)."""
-        by_lds = self.shared_bytes // lds_bytes if lds_bytes else MAX_WAVES_A_SIMD * SIMDS_A_UNIT
-        by_waves = MAX_WAVES_A_SIMD * SIMDS_A_UNIT // max(num_warps, SIMDS_A_UNIT)
-        return max(min(by_lds, by_waves), 1)
+        unit of this AMD target holds at once (0: one does not fit): its LDS (a CU's, the most a
+        program may take: 64 KiB on gfx942, 160 on gfx950) over theirs, and MAX_WAVES_A_SIMD
+        waves on each of its SIMDs. Registers are not counted (amd_report.Resources.waves_a_simd
+        adds them)."""
+        by_waves = MAX_WAVES_A_SIMD * SIMDS_A_UNIT // num_warps
+        return min(self.shared_bytes // lds_bytes, by_waves) if lds_bytes else by_waves
 
     def dot_warps(self, num_warps: int, rows: int, columns: int) -> int:
         """The warps a kernel of `num_warps` runs whose dots are `rows` x `columns`: on a target
