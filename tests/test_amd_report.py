@@ -125,3 +125,55 @@ def test_the_tuner_leaves_out_what_spills_on_gfx942(monkeypatch):
     finally:
         driver.set_active(None)
     assert rejects == [("gate_up", spills)]
+
+
+@pytest.mark.parametrize("weights, block_m, gate_up, down", [
+    # Kimi-K3's gfx942 entry at M=8192: the down's decoded tile changes layout through LDS (48 KiB
+    # there, where its tiles sum to 24.5)
+    ("mxfp4", 192, {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "mx_dequant": True},
+     {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "n_split": 2, "mx_dequant": True}),
+    ("fp8-block", 64, {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2},  # e4m3fnuz there
+     {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2}),
+])
+def test_the_hold_takes_a_stand_ins_kernel_at_the_lds_it_takes_compiled_for_the_target(monkeypatch, weights,
+                                                                                     block_m, gate_up, down):
+    """standin.target_lds, as `--unit-programs` reads it: a kernel the stand-in (an absent
+    Hopper in gfx942 target mode) compiled, compiled again for gfx942 from its source, takes the
+    LDS that the same launch compiled for gfx942 itself takes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from moe_overlay.backends.problems import model, with_weights
+    from moe_overlay.backends.triton_moe import kernels, standin
+    from moe_overlay.backends.triton_moe.amd_report import compiled
+    from moe_overlay.backends.triton_moe.configs import KernelConfig
+    from moe_overlay.backends.triton_moe.launch import compile_only
+    from moe_overlay.backends.triton_moe.offline import AbsentGpu, absent_gpu, fresh_device
+    from moe_overlay.backends.triton_moe.target import TARGET_ENV
+    from moe_overlay.backends.triton_moe.tune import Platform, Point, Problem
+
+    gfx942 = AMD_TARGETS["gfx942"]
+    monkeypatch.setenv(TARGET_ENV, "gfx942")
+    spec = replace(with_weights(model("Kimi-K3").spec, weights), num_experts=64)
+    point = Point(f"Kimi-K3 {weights}", spec, 8192)
+    configs = {"gate_up": KernelConfig(**gate_up), "down": KernelConfig(**down)}
+    stand_in = fresh_device()
+    driver.set_active(AbsentGpu(GPUTarget("cuda", 90, 32), stand_in))
+    try:
+        with compile_only():
+            problem = Problem(point, 1, random=False, platform=Platform("cuda", "nvidia", "sm_90"))
+            runners = dict(zip(configs, problem.runners(block_m), strict=True))
+            for kind, cfg in configs.items():
+                runners[kind](cfg)
+    finally:
+        driver.set_active(None)
+    amd = fresh_device()
+    problem = Problem(point, 1, random=False, platform=Platform("cuda", "amd", "gfx942"))
+    with absent_gpu("hip", "gfx942", amd):
+        runners = dict(zip(configs, problem.runners(block_m), strict=True))
+        for kind, cfg in configs.items():
+            runners[kind](cfg)
+    on_gfx942 = {r.kernel: r.lds for r in compiled(amd) if r.kernel.startswith(("gate_up", "down"))}
+    held = {k.metadata.name: standin.target_lds(k, gfx942.amd_options(gfx942.kpack), gfx942)
+            for fn in (kernels.gate_up_kernel, kernels.down_kernel) for k in fn.device_caches[stand_in][0].values()}
+    assert held == on_gfx942 and len(held) == 2

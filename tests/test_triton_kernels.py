@@ -119,11 +119,12 @@ def test_small_layers_match_the_reference(spec, m):
 @needs_cuda
 def test_target_mode_holds_the_stand_ins_sm_to_a_compute_units_programs(monkeypatch):
     """`--unit-programs` on an NVIDIA GPU standing in for gfx942: the layer's output is as
-    without, and each loaded GEMM kernel's carveout, read back from the driver, is what
-    standin.hold asked for the programs gfx942's CU holds of its step."""
+    without, each loaded GEMM kernel is held to the programs gfx942's CU holds of it (its
+    LDS there: the kernel compiled for gfx942), and its carveout, read back from the driver,
+    is what standin.hold asked for."""
     import ctypes
 
-    from moe_overlay.backends.triton_moe import standin, target
+    from moe_overlay.backends.triton_moe import kernels, standin, target
 
     if torch.version.hip is not None:
         pytest.skip("a stand-in is an NVIDIA GPU")
@@ -136,8 +137,14 @@ def test_target_mode_holds_the_stand_ins_sm_to_a_compute_units_programs(monkeypa
     steps = _plan(spec, 40)
     assert steps.target.unit_programs
     held = {function: asked for function, asked in standin._held.items() if asked[0]}
-    expected = {steps.target.programs_a_unit(step.lds, step.config.num_warps) for step in (steps.gate_up, steps.down)}
-    assert expected <= {programs for programs, _ in held.values()}, (expected, held)
+    loaded = {k.function: k for fn in (kernels.gate_up_kernel, kernels.down_kernel, kernels.down_resident_kernel)
+              for cache in fn.device_caches.values() for k in cache[0].values()}
+    gemms = [(loaded[f], programs) for f, (programs, _) in held.items() if f in loaded]
+    assert sorted(k.metadata.name.split("_")[0] for k, _ in gemms) == ["down", "gate"]  # one of each
+    for k, programs in gemms:
+        step = steps.gate_up if k.metadata.name.startswith("gate_up") else steps.down
+        lds = standin.target_lds(k, steps.target.amd_options(step.kpack), steps.target)
+        assert programs == steps.target.programs_a_unit(lds, k.metadata.num_warps), (k.metadata.name, lds, programs)
     for function, (_, percent) in held.items():
         value = ctypes.c_int()
         assert standin._cuda().cuFuncGetAttribute(ctypes.byref(value), standin.CARVEOUT, ctypes.c_void_p(function)) == 0

@@ -73,38 +73,43 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
-def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, lds: int = 0, **kwargs: object) -> None:
-    """Launch (or, within compile_only, compile) `kernel`; `lds`: its tiles' LDS on the target
-    (plan.Step.lds), for target mode's hold on the stand-in's programs an SM (standin.hold)."""
+def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, kpack: int = 0,
+            **kwargs: object) -> None:
+    """Launch (or, within compile_only, compile) `kernel`; `kpack`: a plan's dot kernel's
+    (plan.Step.kpack), whose AMD compile options (Target.amd_options) it takes where Triton
+    compiles for AMD, and target mode's hold compiles it for the target with (0: none)."""
+    target = current_target()
+    if kpack:
+        kwargs |= target.compile_options(kpack)
+    amd = target.amd_options(kpack) if kpack else {}
     w_quant = kwargs.get("W_QUANT")  # fp8 dots: W_QUANT's fp8 formats, or the resident down's FP8_STEPS
     fp8 = getattr(w_quant, "value", w_quant) in FP8_W_QUANT or bool(kwargs.get("FP8_STEPS"))
     if (fp8 and isinstance(kernel, triton.runtime.jit.JITFunction)  # (Triton's CPU interpreter: no JITFunction)
-            and _block_pingpong_fails(triton.runtime.driver.active.get_current_device())):
+            and _block_pingpong_fails(target.arch)):
         with triton.knobs.amd.scope():
             triton.knobs.amd.use_block_pingpong = False
-            _compile_or_run(kernel, grid, args, kwargs, lds)
+            _compile_or_run(kernel, grid, args, kwargs, amd)
     else:
-        _compile_or_run(kernel, grid, args, kwargs, lds)
+        _compile_or_run(kernel, grid, args, kwargs, amd)
 
 
 def _compile_or_run(kernel: triton.JITFunction, grid: tuple[int, ...], args: tuple[object, ...],
-                    kwargs: dict[str, object], lds: int) -> None:
+                    kwargs: dict[str, object], amd: dict[str, int]) -> None:
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
-        standin.hold(kernel[grid](*args, **kwargs), lds)
+        standin.hold(kernel[grid](*args, **kwargs), amd)
 
 
 @cache
-def _block_pingpong_fails(device: int) -> bool:
-    """Whether fp8 launches on this device compile without Triton's AMD block-pingpong pass:
-    on gfx950 from Triton 3.8 on, that pass fails on the fp8 gate/up kernel ("PassManager::run
-    failed"); 3.6 and 3.7 compile it with the pass. Seen by compiling every kernel for gfx942
-    and gfx950 on a machine without a GPU (tests/test_triton_amd_compile.py). `device` keys
-    the answer: the target is the current device's."""
-    target = triton.runtime.driver.active.get_current_target()
+def _block_pingpong_fails(arch: str) -> bool:
+    """Whether fp8 launches for AMD `arch` (the GPU's, or the one target mode's hold compiles
+    for) compile without Triton's AMD block-pingpong pass: on gfx950 from Triton 3.8 on, that
+    pass fails on the fp8 gate/up kernel ("PassManager::run failed"); 3.6 and 3.7 compile it
+    with the pass. Seen by compiling every kernel for gfx942 and gfx950 on a machine without a
+    GPU (tests/test_triton_amd_compile.py)."""
     version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
-    return target.backend == "hip" and target.arch == "gfx950" and version >= PINGPONG_FAILS_FROM
+    return arch == "gfx950" and version >= PINGPONG_FAILS_FROM
 
 
 @dataclass(frozen=True)
@@ -335,7 +340,7 @@ def gate_up(
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=step.weight_left,
         BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds, **plan.target.compile_options(step.kpack),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, kpack=step.kpack,
     )
 
 
@@ -410,7 +415,7 @@ def down(
             FP8_STEPS=triton.cdiv(layer.shape.inter, QUANT_GROUP) if a_fp8 else 0,
             ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
             N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds, **plan.target.compile_options(step.kpack),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, kpack=step.kpack,
         )
         return
     if step.kernel == GLUON_MX:
@@ -435,8 +440,8 @@ def down(
         MX_WORDS=layer.mx_words, MX_DEQUANT=step.mx_dequant, W_DESC=_descriptors(step, w2),
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
         N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=step.tile_m2, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, lds=step.lds,
-        **plan.target.compile_options(step.kpack),
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        kpack=step.kpack,
     )
 
 

@@ -11,7 +11,7 @@ is Hopper and the entry asks for them; every other target runs the portable `tl`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -28,7 +28,6 @@ from .configs import (
     LayerShape,
     down_tiles,
     row_tiles,
-    shared_bytes,
     tiny_route_split,
     weights_tag,
     with_dot_warps,
@@ -118,7 +117,6 @@ class Step:
     kpack: int = 1  # the dots' kpack (target.Target.kpack), a compile option where Triton compiles for AMD
     mx_dequant: bool = False  # mxfp4 packed bytes decoded to bf16 once a program (KernelConfig.mx_dequant)
     tile_m2: int = 0  # the down kernel: a program's second row tile, a whole block a program (KernelConfig.whole_block)
-    lds: int = 0  # its tiles' shared memory on the target (configs.shared_bytes): target mode's hold (standin.hold)
 
     def describe(self) -> str:
         c = self.config
@@ -156,9 +154,8 @@ def make_plan(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) ->
 
 @lru_cache(maxsize=4096)
 def _plan(layer: Layer, config: LaunchConfig, tiny: bool, target: Target) -> Plan:
-    used = shared_bytes(config, layer.shape, tiny, target)
-    gate_up = replace(_gate_up_step(layer, config, tiny, target), lds=used.get("gate_up", 0))
-    down = replace(_down_step(layer, config, tiny, target), lds=used.get("down", 0))
+    gate_up = _gate_up_step(layer, config, tiny, target)
+    down = _down_step(layer, config, tiny, target)
     return Plan(target, config.block_m, tiny, gate_up, down, pdl=tiny and config.down.pdl and target.hopper)
 
 

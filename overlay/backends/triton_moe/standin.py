@@ -8,8 +8,11 @@ CUDA driver, through the kernel's preferred shared-memory carveout, for no more 
 an SM than that many programs of the stand-in's own kernel take, each with the driver's
 reserved share; the driver rounds up to a carveout it has, so an SM may hold a few more
 programs than the target's CU, never fewer (and one, where the target's CU could hold
-none). A kernel is held from its second launch on (its
-first loads it); the benchmark and the tuner warm up before they time.
+none). A program's LDS on the target is the kernel's own, compiled for the target by
+Triton's AMD backend (no AMD GPU needed): tile sums miss what the compiler adds (gfx950's
+padded rows, gfx942's register-staged operands, a decoded tile's layout change). A kernel is
+held from its second launch on (its first loads it); the benchmark and the tuner warm up
+before they time.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import ctypes
 from functools import cache
 
-from .target import current_target
+from ...quant import native_fp8_format
+from .target import Target, current_target
 
 CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: percent of an SM's shared memory
 SM_SHARED = 81  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
@@ -33,21 +37,49 @@ def carveout_percent(programs: int, program_bytes: int, reserved_bytes: int, sm_
     return min(max(-(-100 * needed // sm_bytes), 1), 100)
 
 
-def hold(compiled: object, lds_bytes: int) -> None:
-    """Hold `compiled` (a launched Triton kernel) to the programs an SM that the target's compute
-    unit holds of a program of `lds_bytes` LDS on the target (plan.Step.lds; 0 for kernels
-    without tiles there), where target mode asks (target.Target.unit_programs). Once a kernel."""
+def hold(compiled: object, amd_options: dict[str, int]) -> None:
+    """Hold `compiled` (a launched Triton kernel, which the target compiles with `amd_options`) to the
+    programs an SM that the target's compute unit holds of it, where target mode asks
+    (target.Target.unit_programs). Once a kernel."""
     function = getattr(compiled, "function", None)  # (the CPU interpreter returns no kernel)
     if not function or function in _held:
         return
     target = current_target()
     programs = percent = 0
     if target.unit_programs:
-        programs = target.programs_a_unit(lds_bytes, compiled.metadata.num_warps)
+        programs = target.programs_a_unit(target_lds(compiled, amd_options, target), compiled.metadata.num_warps)
         sm_bytes, reserved = _sm_shared(_device_index())
         percent = carveout_percent(programs, compiled.metadata.shared, reserved, sm_bytes)
         _check(_cuda().cuFuncSetAttribute(ctypes.c_void_p(function), CARVEOUT, percent), "cuFuncSetAttribute")
     _held[function] = programs, percent
+
+
+def target_lds(compiled: object, amd_options: dict[str, int], target: Target) -> int:
+    """The LDS a program of `compiled` (a kernel the stand-in compiled) takes on AMD `target`:
+    its source compiled again by Triton's AMD backend for the target, with `amd_options` and the
+    fp8 type the target's own launch has (gfx942: e4m3fnuz, where the stand-in runs e4m3fn)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    src = compiled.src
+    fnuz = native_fp8_format(target.arch) == "e4m3fnuz"
+
+    def own(value: object) -> object:
+        if fnuz and isinstance(value, str):
+            return value.replace("fp8e4nv", "fp8e4b8")
+        return tl.float8e4b8 if fnuz and isinstance(value, tl.dtype) and value == tl.float8e4nv else value
+
+    again = type(src)(src.fn, {k: own(v) for k, v in src.signature.items()},
+                      {k: own(v) for k, v in src.constants.items()}, src.attrs)
+    metadata = compiled.metadata
+    options = {"num_warps": metadata.num_warps, "num_stages": metadata.num_stages, **amd_options}
+    try:
+        return triton.compile(again, target=GPUTarget("hip", target.arch, target.warp_size), options=options
+                              ).metadata.shared
+    except Exception as err:
+        raise RuntimeError(f"{metadata.name} does not compile for {target.arch} ({type(err).__name__}), so the "
+                           "stand-in cannot hold it to the programs the target's compute unit holds") from err
 
 
 @cache

@@ -72,7 +72,13 @@ class Target:
     def compile_options(self, kpack: int) -> dict[str, int]:
         """Triton compile options of a dot kernel run with `kpack` (plan.Step.kpack): only where
         Triton compiles for the AMD target itself; a stand-in's compiler has no such option."""
-        if self.vendor != "amd" or self.stands_in:
+        return {} if self.stands_in else self.amd_options(kpack)
+
+    def amd_options(self, kpack: int) -> dict[str, int]:
+        """The options Triton's AMD backend compiles a dot kernel of `kpack` (plan.Step.kpack) with
+        for this target (none for a target that is not AMD), also where a stand-in runs it:
+        target mode's hold compiles it for the target (standin.target_lds)."""
+        if self.vendor != "amd":
             return {}
         return {"matrix_instr_nonkdim": self.mfma_size, **({"kpack": kpack} if kpack > 1 else {})}
 
