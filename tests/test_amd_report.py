@@ -56,8 +56,13 @@ GCN = """\
                                         ; =>This Inner Loop Header: Depth=1
 \tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
 \tv_and_b32_e32 v8, 15, v9
-\ts_cbranch_scc1 .LBB0_3
-; %bb.5:
+\ts_cbranch_scc1 .LBB0_6
+.LBB0_5:                                ;   in Loop: Header=BB0_4 Depth=1
+\tv_cndmask_b32_e64 v10, v11, v12, s[0:1]
+\tbuffer_store_dwordx2 v[10:11], v13, s[4:7], 0 offen
+\ts_branch .LBB0_4
+.LBB0_6:
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
 \tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
     .agpr_count:     4
     .vgpr_count:     250
@@ -66,7 +71,9 @@ GCN = """\
 
 
 def test_resources_come_from_the_amdgcn_metadata_and_the_loops_llvm_marks():
-    assert main_loop(GCN) == (2, 1)  # the loop's blocks wherever laid out, marked on the label's line or the next
+    # the loop's blocks wherever laid out, marked on the label's line or the next; not its block that stores
+    # (a tile's epilogue in a loop over several tiles' K steps)
+    assert main_loop(GCN) == (2, 1)
     r = Resources.of("gate_up_kernel", GCN, 48 * 1024, 4, kpack=2)
     assert (r.kpack, r.vgprs, r.agprs, r.vgpr_spills, r.mfma_a_step, r.valu_a_step) == (2, 250, 4, 3, 2, 1)
     assert r.waves_a_simd("gfx942") == 1  # 48 KiB: one workgroup of 4 waves a CU
