@@ -146,7 +146,8 @@ def test_the_hold_takes_a_stand_ins_kernel_at_the_lds_it_takes_compiled_for_the_
                                                                                      block_m, gate_up, down):
     """standin.target_lds, as `--unit-programs` reads it: a kernel the stand-in (an absent
     Hopper in gfx942 target mode) compiled, compiled again for gfx942 from its source, takes the
-    LDS that the same launch compiled for gfx942 itself takes."""
+    LDS that the same launch compiled for gfx942 itself takes; compiling only (the tuner's
+    workers), the stand-in compiles each for gfx942 too, for the hold to find in the cache."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -156,11 +157,15 @@ def test_the_hold_takes_a_stand_ins_kernel_at_the_lds_it_takes_compiled_for_the_
     from moe_overlay.backends.triton_moe.configs import KernelConfig
     from moe_overlay.backends.triton_moe.launch import compile_only
     from moe_overlay.backends.triton_moe.offline import AbsentGpu, absent_gpu, fresh_device
-    from moe_overlay.backends.triton_moe.target import TARGET_ENV
+    from moe_overlay.backends.triton_moe.target import TARGET_ENV, UNIT_ENV
     from moe_overlay.backends.triton_moe.tune import Platform, Point, Problem
 
     gfx942 = AMD_TARGETS["gfx942"]
     monkeypatch.setenv(TARGET_ENV, "gfx942")
+    monkeypatch.setenv(UNIT_ENV, "1")
+    prepared = []
+    target_lds = standin.target_lds
+    monkeypatch.setattr(standin, "target_lds", lambda k, *on: prepared.append(k.metadata.name) or target_lds(k, *on))
     spec = replace(with_weights(model("Kimi-K3").spec, weights), num_experts=64)
     point = Point(f"Kimi-K3 {weights}", spec, 8192)
     configs = {"gate_up": KernelConfig(**gate_up), "down": KernelConfig(**down)}
@@ -174,6 +179,7 @@ def test_the_hold_takes_a_stand_ins_kernel_at_the_lds_it_takes_compiled_for_the_
                 runners[kind](cfg)
     finally:
         driver.set_active(None)
+    assert {"gate_up_kernel", "down_kernel"} <= set(prepared)
     amd = fresh_device()
     problem = Problem(point, 1, random=False, platform=Platform("cuda", "amd", "gfx942"))
     with absent_gpu("hip", "gfx942", amd):
@@ -181,6 +187,6 @@ def test_the_hold_takes_a_stand_ins_kernel_at_the_lds_it_takes_compiled_for_the_
         for kind, cfg in configs.items():
             runners[kind](cfg)
     on_gfx942 = {r.kernel: r.lds for r in compiled(amd) if r.kernel.startswith(("gate_up", "down"))}
-    held = {k.metadata.name: standin.target_lds(k, gfx942.amd_options(gfx942.kpack), gfx942)
+    held = {k.metadata.name: target_lds(k, gfx942.amd_options(gfx942.kpack), gfx942)
             for fn in (kernels.gate_up_kernel, kernels.down_kernel) for k in fn.device_caches[stand_in][0].values()}
     assert held == on_gfx942 and len(held) == 2

@@ -96,7 +96,7 @@ def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, kp
 def _compile_or_run(kernel: triton.JITFunction, grid: tuple[int, ...], args: tuple[object, ...],
                     kwargs: dict[str, object], amd: dict[str, int]) -> None:
     if _COMPILE_ONLY.get():
-        kernel.warmup(*args, grid=grid, **kwargs)
+        standin.prepare(kernel.warmup(*args, grid=grid, **kwargs), amd)
     else:
         standin.hold(kernel[grid](*args, **kwargs), amd)
 

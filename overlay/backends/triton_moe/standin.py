@@ -54,6 +54,15 @@ def hold(compiled: object, amd_options: dict[str, int]) -> None:
     _held[function] = programs, percent
 
 
+def prepare(compiled: object, amd_options: dict[str, int]) -> None:
+    """Where target mode holds kernels, compile `compiled` (a kernel compiled, not launched: the
+    tuner's compile workers) for the target too, into Triton's cache, so that holding it when
+    it runs finds that compile done."""
+    target = current_target()
+    if target.unit_programs and compiled is not None:
+        target_lds(compiled, amd_options, target)
+
+
 def target_lds(compiled: object, amd_options: dict[str, int], target: Target) -> int:
     """The LDS a program of `compiled` (a kernel the stand-in compiled) takes on AMD `target`:
     its source compiled again by Triton's AMD backend for the target, with `amd_options` and the
