@@ -100,6 +100,17 @@ def repeated_dots(ttgir: str) -> int:
     return most
 
 
+@dataclass
+class _Block:
+    """A basic block of AMDGCN: the loop it is in (its header's label), its matrix and other
+    vector ALU instructions, and whether it stores to memory."""
+
+    loop: str | None = None
+    mfma: int = 0
+    valu: int = 0
+    stores: bool = False
+
+
 def main_loop(gcn: str) -> tuple[int, int]:
     """(matrix instructions, other vector ALU instructions) of the loop of the kernel that has
     the most matrix instructions, its blocks as LLVM marks them: a loop's header (".LBB0_8: ;
@@ -107,13 +118,13 @@ def main_loop(gcn: str) -> tuple[int, int]:
     are laid out, the mark on the label's line or the next. Blocks that store to memory and
     have no matrix instruction are left out: in a loop over several tiles' K steps (the down
     kernel's), the epilogue that stores a tile runs once a tile, not a K step."""
-    blocks: list[tuple[str | None, list[int], bool]] = []  # (its loop, [mfma, valu], whether it stores)
+    blocks: list[_Block] = []
     label, loop = "", None
     for line in gcn.splitlines():
         block = re.match(r"(?:\.L(BB\w+):|; %bb\.\d+:)", line)
         if block:
             label, loop = block.group(1) or "", None
-            blocks.append((None, [0, 0], False))
+            blocks.append(_Block())
         if block or re.match(r"\s+;", line):
             header = re.search(r"Header=(BB\w+)", line)
             if "Loop Header" in line:
@@ -121,19 +132,21 @@ def main_loop(gcn: str) -> tuple[int, int]:
             elif header:
                 loop = header.group(1)
             if blocks and loop:
-                blocks[-1] = (loop, *blocks[-1][1:])
-        elif loop and blocks and (op := re.match(r"\s+((v|buffer|global)_\w+)", line)):
+                blocks[-1].loop = loop
+        elif loop and blocks and (op := re.match(r"\s+((?:v|buffer|global)_\w+)", line)):
             name = op.group(1)
             if name.startswith(("buffer_store", "global_store")):
-                blocks[-1] = (blocks[-1][0], blocks[-1][1], True)
+                blocks[-1].stores = True
+            elif name.startswith("v_mfma"):
+                blocks[-1].mfma += 1
             elif name.startswith("v_"):
-                blocks[-1][1][0 if name.startswith("v_mfma") else 1] += 1
+                blocks[-1].valu += 1
     counts: dict[str, list[int]] = {}
-    for owner, (mfma, valu), stores in blocks:
-        if owner and not (stores and not mfma):
-            total = counts.setdefault(owner, [0, 0])
-            total[0] += mfma
-            total[1] += valu
+    for b in blocks:
+        if b.loop and (b.mfma or not b.stores):
+            total = counts.setdefault(b.loop, [0, 0])
+            total[0] += b.mfma
+            total[1] += b.valu
     mfma, valu = max(counts.values(), default=[0, 0])
     return mfma, valu
 

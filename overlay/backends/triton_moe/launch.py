@@ -45,7 +45,7 @@ from .plan import (
     gluon_kernels,
     make_plan,
 )
-from .target import current_target
+from .target import Target, current_target
 
 A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names of the 16-bit activations
 ACTIVATIONS = {"silu": kernels.SILU, "situ": kernels.SITU}
@@ -73,19 +73,18 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
-def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, kpack: int = 0,
-            **kwargs: object) -> None:
-    """Launch (or, within compile_only, compile) `kernel`; `kpack`: a plan's dot kernel's
-    (plan.Step.kpack), whose AMD compile options (Target.amd_options) it takes where Triton
-    compiles for AMD, and target mode's hold compiles it for the target with (0: none)."""
-    target = current_target()
-    if kpack:
+def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, target: Target | None = None,
+            kpack: int = 1, **kwargs: object) -> None:
+    """Launch (or, within compile_only, compile) `kernel`; a plan's dot kernel names the plan's
+    `target` and its dots' `kpack` (plan.Step.kpack): the AMD compile options it takes where
+    Triton compiles for AMD, and target mode's hold compiles it for the target with them."""
+    amd = target.amd_options(kpack) if target else {}
+    if target:
         kwargs |= target.compile_options(kpack)
-    amd = target.amd_options(kpack) if kpack else {}
     w_quant = kwargs.get("W_QUANT")  # fp8 dots: W_QUANT's fp8 formats, or the resident down's FP8_STEPS
     fp8 = getattr(w_quant, "value", w_quant) in FP8_W_QUANT or bool(kwargs.get("FP8_STEPS"))
     if (fp8 and isinstance(kernel, triton.runtime.jit.JITFunction)  # (Triton's CPU interpreter: no JITFunction)
-            and _block_pingpong_fails(target.arch)):
+            and _block_pingpong_fails((target or current_target()).arch)):
         with triton.knobs.amd.scope():
             triton.knobs.amd.use_block_pingpong = False
             _compile_or_run(kernel, grid, args, kwargs, amd)
@@ -340,7 +339,7 @@ def gate_up(
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, inter), W_LEFT=step.weight_left,
         BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=tile_m2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, kpack=step.kpack,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, target=plan.target, kpack=step.kpack,
     )
 
 
@@ -415,7 +414,7 @@ def down(
             FP8_STEPS=triton.cdiv(layer.shape.inter, QUANT_GROUP) if a_fp8 else 0,
             ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
             N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, BLOCK_N=cfg.block_n, K_LO=k_low, K_HI=k_high,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, kpack=step.kpack,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, target=plan.target, kpack=step.kpack,
         )
         return
     if step.kernel == GLUON_MX:
@@ -441,7 +440,7 @@ def down(
         ONE_SCALE=_one_block_scale(layer, cfg.block_n, 0), W_LEFT=step.weight_left,
         N_SPLIT=cfg.n_split, BLOCK_M=plan.block_m, TILE_M=tile_m, TILE_M2=step.tile_m2, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        kpack=step.kpack,
+        target=plan.target, kpack=step.kpack,
     )
 
 
